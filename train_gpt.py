@@ -1,0 +1,1307 @@
+"""Parameter Golf: banked GPT + Parallel Muon, int6 artifact, exact sliding-window val_bpb.
+
+Record run:   torchrun --standalone --nproc_per_node=8 train_gpt.py
+One process:  python3 train_gpt.py        (CPU works too: tiny configs, gloo, SDPA math, no compile)
+Every setting is an environment variable named after a Hyperparameters field (README lists them all).
+Seed system: PR #399 (parameter banking + Parallel Muon) on the PR #315/#414 model stack; facts and
+parity details in the project's REFERENCE.md. Line budget: about 1,500 lines for the seed system,
+growing only with features that earn their bytes (every byte of this file counts against 16 MB).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import glob
+import io
+import json
+import lzma
+import math
+import os
+import platform
+import struct
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# =============================================================================================
+# Config
+# =============================================================================================
+
+DROPPED_SETTINGS = {"SWA_ENABLED", "SWA_EVERY", "DTG_ENABLED", "LATE_QAT", "QAT_ENABLED",
+                    "GATED_ATTENTION", "VALUE_RESIDUAL"}  # + LAWA_*, MTP_*: the reference's dead ends
+DROPPED_PREFIXES = ("LAWA_", "MTP_")
+# Environment variables of launchers and libraries that share a word with our fields.
+FOREIGN_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP_", "MASTER_", "LOCAL_", "GROUP_", "ROLE_",
+                    "TRITON", "PYTHON", "HF_", "MKL", "KMP_", "GLOO", "NVIDIA", "CUBLAS", "CUDNN")
+GENERIC_WORDS = {"MAX", "NUM", "RUN", "DATA", "MODEL", "HEAD", "DEVICE", "LOCAL", "WORLD", "RANK"}
+CHOICES = {
+    "compressor": ("auto", "zstd", "lzma"),
+    "compile_enabled": ("auto", "0", "1"),
+    "attn_backend": ("auto", "fa3", "flash", "cudnn", "math"),
+    "muon_reduce_dtype": ("auto", "bf16", "fp32"),
+    "device": ("auto", "cuda", "cpu"),
+}
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    # --- run / data
+    data_path: str = "./data/datasets/fineweb10B_sp1024"  # folder of fineweb_{train,val}_*.bin shards
+    tokenizer_path: str = "./data/tokenizers/fineweb_1024_bpe.model"  # SentencePiece model (val_bpb bytes)
+    run_id: str = ""  # log name logs/<RUN_ID>.txt; empty = random
+    seed: int = 1337  # torch/numpy seed: init and nothing else (data order is fixed)
+    vocab_size: int = 1024  # must equal the tokenizer's vocabulary
+    device: str = "auto"  # auto = cuda if available, else cpu
+    eval_only: str = ""  # path of an existing artifact: skip training, score it
+    artifact_path: str = "final_model.int6.ptz"  # where the artifact is written
+    # --- schedule
+    iterations: int = 20000  # max optimizer steps
+    warmup_steps: int = 20  # compile warmup steps, then weights/optimizer/data are restored
+    warmdown_iters: int = 3500  # linear lr decay length, converted to wallclock when capped
+    max_wallclock_seconds: float = 600.0  # training cap (0 = iteration-based); never exceeded
+    train_batch_tokens: int = 786432  # global tokens per optimizer step
+    train_seq_len: int = 2048
+    grad_accum_steps: int = 0  # 0 = max(1, 8 // WORLD_SIZE): same global batch for 1..8 GPUs
+    compile_enabled: str = "auto"  # torch.compile: auto = on for CUDA, off for CPU
+    # --- model
+    num_layers: int = 11
+    model_dim: int = 512
+    num_heads: int = 8
+    num_kv_heads: int = 4  # GQA
+    mlp_mult: float = 3.0
+    mlp_negative_slope: float = 0.5  # LeakyReLU(slope)^2 MLP; 0 = relu^2
+    tie_embeddings: bool = True
+    tied_embed_init_std: float = 0.005
+    rope_base: float = 10000.0  # explicit: no silent length rescaling (the reference's ran at ~22,082)
+    rope_dims: int = 16  # partial RoPE: rotate the first ROPE_DIMS of each head
+    logit_softcap: float = 30.0  # tanh softcap on logits (0 = off)
+    qk_gain_init: float = 1.5  # per-head query gain after q/k RMSNorm
+    ln_scale: bool = True  # scale block inputs by 1/sqrt(layer+1)
+    xsa_last_n: int = 4  # exclusive self-attention on the last N layers
+    bigram_vocab_size: int = 1536  # BigramHash buckets (0 = off)
+    bigram_dim: int = 128
+    smear_enabled: bool = True  # SmearGate on the embedding
+    ve_enabled: bool = True  # shared value embedding added to V
+    ve_dim: int = 128
+    ve_layers: str = "9,10"  # comma-separated layer indices
+    attn_backend: str = "auto"  # auto = fa3 if importable, else SDPA flash (CUDA) / math (CPU)
+    # --- optimizer
+    matrix_lr: float = 0.025  # Muon lr for the four banks
+    scalar_lr: float = 0.025  # AdamW lr for control tensors and small projections
+    tied_embed_lr: float = 0.035  # AdamW lr for token/bigram/value-embedding tables (tied head)
+    embed_lr: float = 0.6  # table lr when embeddings are untied
+    head_lr: float = 0.008  # untied lm_head lr
+    muon_momentum: float = 0.99
+    muon_momentum_warmup_start: float = 0.92
+    muon_momentum_warmup_steps: int = 1500
+    muon_backend_steps: int = 5  # Newton-Schulz iterations
+    muon_wd: float = 0.04
+    muon_reduce_dtype: str = "auto"  # bank grad reduce-scatter + momentum dtype: auto = bf16 CUDA, fp32 CPU
+    adam_wd: float = 0.04
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip_norm: float = 0.3  # clip by the global norm of the reduced gradient (0 = off)
+    # --- averaging / QAT
+    ema_enabled: bool = True
+    ema_decay: float = 0.997
+    late_qat_threshold: float = 0.15  # fake-quantize banks to int6 once lr scale < this (0 = off)
+    # --- eval / logging / export
+    eval_seq_len: int = 2048  # sliding-window scoring window
+    eval_stride: int = 64  # tokens scored per window (after the first)
+    val_loss_every: int = 4000  # plain val scoring every N steps (0 = only at the end)
+    val_batch_size: int = 524288  # scoring tokens per forward over all ranks x grad-accum slots
+    train_log_every: int = 500
+    compressor: str = "auto"  # zstd | lzma | auto (the smaller)
+    int6_scale_floor: float = 1 / 31  # floor on int6 row scales: coarsens tiny rows, compresses better
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> tuple["Hyperparameters", list[str]]:
+        """Parse our variables from `env`; returns (config, warnings). Unknown look-alikes are errors."""
+        env = dict(os.environ if env is None else env)
+        by_env = {f.name.upper(): f for f in fields(cls)}
+        values, warnings = {}, []
+        for key, raw in env.items():
+            if key in by_env:
+                f = by_env[key]
+                values[f.name] = _parse_value(key, raw, f.type, CHOICES.get(f.name))
+            elif key in DROPPED_SETTINGS or key.startswith(DROPPED_PREFIXES):
+                warnings.append(f"setting {key} is not supported by this script and is ignored")
+            elif _looks_like_ours(key, by_env):
+                close = difflib.get_close_matches(key, list(by_env), n=1, cutoff=0.0)
+                raise ValueError(f"unknown setting {key}={raw!r}; closest valid setting: {close[0]}")
+        if not values.get("run_id"):
+            values["run_id"] = str(uuid.uuid4())
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg, warnings
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+        need(self.model_dim % self.num_heads == 0, "MODEL_DIM must divide by NUM_HEADS")
+        need(self.num_heads % self.num_kv_heads == 0, "NUM_HEADS must divide by NUM_KV_HEADS")
+        need(self.rope_dims % 2 == 0 and 0 <= self.rope_dims <= self.head_dim, "ROPE_DIMS: even, <= head dim")
+        need(self.train_seq_len > 0 and self.train_batch_tokens > 0, "TRAIN_SEQ_LEN, TRAIN_BATCH_TOKENS > 0")
+        need(0 < self.eval_stride <= self.eval_seq_len, "EVAL_STRIDE must be in 1..EVAL_SEQ_LEN")
+        need(all(0 <= i < self.num_layers for i in self.ve_layer_list), "VE_LAYERS outside 0..NUM_LAYERS-1")
+        need(self.iterations >= 0 and self.warmup_steps >= 0, "ITERATIONS, WARMUP_STEPS >= 0")
+        need(0.0 <= self.ema_decay < 1.0, "EMA_DECAY must be in [0, 1)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.model_dim // self.num_heads
+
+    @property
+    def ve_layer_list(self) -> list[int]:
+        return [int(s) for s in self.ve_layers.split(",") if s.strip()] if self.ve_enabled else []
+
+
+def _parse_value(key: str, raw: str, typ: str, choices: tuple[str, ...] | None):
+    try:
+        if typ == "bool":
+            if raw.strip().lower() not in ("0", "1", "true", "false"):
+                raise ValueError
+            return raw.strip().lower() in ("1", "true")
+        value = {"int": int, "float": float, "str": str}[typ](raw.strip() if typ != "str" else raw)
+    except ValueError:
+        raise ValueError(f"malformed value for {key}: {raw!r} (expected {typ})") from None
+    if choices is not None and value not in choices:
+        raise ValueError(f"malformed value for {key}: {raw!r} (expected one of {', '.join(choices)})")
+    return value
+
+
+def _looks_like_ours(key: str, by_env: dict) -> bool:
+    if key.startswith(FOREIGN_PREFIXES) or key in ("RANK", "WORLD_SIZE"):
+        return False
+    heads = {name.split("_")[0] for name in by_env} - GENERIC_WORDS
+    return key.split("_")[0] in heads or bool(difflib.get_close_matches(key, list(by_env), n=1, cutoff=0.85))
+
+
+# =============================================================================================
+# Distributed helpers: world_size == 1 is the degenerate case of the same code
+# =============================================================================================
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(cfg: Hyperparameters) -> Dist:
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("DEVICE=cuda but CUDA is not available")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        if use_cuda:
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    return Dist(rank, world_size, local_rank, device)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_sum_(t: Tensor, async_op: bool = False):
+    """Sum over ranks in place (identity on one rank). ReduceOp.AVG is avoided: gloo lacks it."""
+    if _distributed():
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=async_op)
+    return None
+
+
+def all_reduce_max(x: float, device: torch.device) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    if _distributed():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+# torch >= 2.13 renames the tensor collectives; 2.11 (the GPU machine) has only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# =============================================================================================
+# Optimizer: Parallel Muon for the banks, AdamW for everything else
+# =============================================================================================
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (Keller Jordan, modded-nanogpt)
+
+
+def newton_schulz(G_BMN: Tensor, steps: int, eps: float = 1e-7) -> Tensor:
+    """Approximate the orthogonal polar factor U V^T of each matrix in a batch, in bf16.
+
+    Works on the wide orientation (transposing tall matrices) after Frobenius normalisation, so the
+    singular values land in roughly [0.7, 1.2] rather than exactly 1: that is Muon's design."""
+    a, b, c = NS_COEFFS
+    X = G_BMN.bfloat16()
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * (A @ A)) @ X
+    return X.mT if tall else X
+
+
+def muon_update(grad: Tensor, momentum_buf: Tensor, momentum: float, ns_steps: int) -> Tensor:
+    """Nesterov momentum (in place on momentum_buf) followed by orthogonalisation. Shapes (B, M, N)."""
+    momentum_buf.mul_(momentum).add_(grad)
+    return newton_schulz(grad.add(momentum_buf, alpha=momentum), ns_steps)
+
+
+class ParallelMuon(torch.optim.Optimizer):
+    """Muon over 3-D parameter banks, sharded over ranks along the bank dimension (PR #399).
+
+    Phases (called by Optimizers.step): launch_reduce_scatter -> finish_reduce_scatter (grad shards,
+    averaged) -> [caller clips] -> step (momentum + NS on the local shard, all-gather of each bank
+    overlapped with the next bank's NS). The momentum store is one shard per bank per rank; with one
+    rank the shard is the whole bank, so the same code and state_dict serve 1 or N ranks."""
+
+    def __init__(self, banks: list[Tensor], lr: float, momentum: float, weight_decay: float,
+                 ns_steps: int, comm_dtype: torch.dtype, world_size: int):
+        super().__init__(banks, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
+        self.comm_dtype, self.world_size = comm_dtype, world_size
+        self.banks = sorted(banks, key=lambda p: -p.numel())  # biggest reduce-scatter first
+        self.pending: list[tuple[Tensor, Tensor, object]] = []  # (bank, grad shard, async work)
+
+    def shard_rows(self, p: Tensor) -> int:
+        return -(-p.shape[0] // self.world_size)  # bank dim padded to a multiple of world size
+
+    def launch_reduce_scatter(self) -> None:
+        assert not self.pending, "previous step's reduce-scatter was never finished"
+        for p in self.banks:
+            rows = self.shard_rows(p)
+            padded = p.grad.new_zeros((rows * self.world_size, *p.shape[1:]), dtype=self.comm_dtype)
+            padded[: p.shape[0]].copy_(p.grad)
+            if self.world_size == 1:
+                self.pending.append((p, padded, None))
+                continue
+            shard = padded.new_empty((rows, *p.shape[1:]))
+            self.pending.append((p, shard, _reduce_scatter(shard, padded, async_op=True)))
+
+    def finish_reduce_scatter(self) -> Tensor:
+        """Wait for the shards, average them; returns this rank's share of the squared grad norm."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.banks[0].device)
+        for _, shard, work in self.pending:
+            if work is not None:
+                work.wait()
+                shard.div_(self.world_size)
+            sq += shard.float().square().sum()
+        return sq
+
+    def scale_grads_(self, coef: Tensor) -> None:
+        for _, shard, _ in self.pending:
+            shard.mul_(coef.to(shard.dtype))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        group = self.param_groups[0]
+        lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
+        previous = None
+        for p, shard, _ in self.pending:
+            state = self.state[p]
+            if "momentum" not in state:
+                state["momentum"] = torch.zeros_like(shard)
+            update = muon_update(shard, state["momentum"], mom, group["ns_steps"])
+            if self.world_size == 1:
+                work, full = None, update
+            else:
+                full = update.new_empty((update.shape[0] * self.world_size, *update.shape[1:]))
+                work = _all_gather(full, update.contiguous(), async_op=True)
+            if previous is not None:
+                self._apply(*previous, lr, wd)  # overlaps this bank's all-gather
+            previous = (p, full, work)
+        if previous is not None:
+            self._apply(*previous, lr, wd)
+        self.pending = []
+
+    @staticmethod
+    def _apply(p: Tensor, full: Tensor, work, lr: float, wd: float) -> None:
+        if work is not None:
+            work.wait()
+        scale = max(1.0, p.shape[-2] / p.shape[-1]) ** 0.5  # keeps RMS update size across aspect ratios
+        p.mul_(1.0 - lr * wd)
+        p.add_(full[: p.shape[0]].to(p.dtype), alpha=-lr * scale)
+
+
+# One table: every parameter's optimizer and lr/wd setting, matched by name pattern (exactly one).
+PARAM_TABLE = (  # (group, name predicate)
+    ("muon", lambda n: n.endswith("_bank")),
+    ("token", lambda n: n in ("tok_emb.weight", "bigram.embed.weight", "ve.embed.weight")),
+    ("head", lambda n: n == "lm_head.weight"),
+    ("scalar", lambda n: not n.endswith("_bank") and n not in (
+        "tok_emb.weight", "bigram.embed.weight", "ve.embed.weight", "lm_head.weight")),
+)
+
+
+def group_parameters(model: nn.Module) -> dict[str, list[tuple[str, Tensor]]]:
+    groups: dict[str, list[tuple[str, Tensor]]] = {g: [] for g, _ in PARAM_TABLE}
+    for name, p in model.named_parameters():
+        hits = [g for g, pred in PARAM_TABLE if pred(name)]
+        assert len(hits) == 1, f"parameter {name} matches optimizer groups {hits}: the table must cover it once"
+        groups[hits[0]].append((name, p))
+    return groups
+
+
+class Optimizers:
+    """Parallel Muon + AdamW with the communication order of the issue: reduce-scatter banks and
+    all-reduce replicated grads (one coalesced buffer), wait, one scalar all-reduce for the global
+    grad norm, clip, AdamW, Muon with overlapped all-gathers."""
+
+    def __init__(self, model: nn.Module, cfg: Hyperparameters, d: Dist):
+        groups = group_parameters(model)
+        self.rank, self.world_size = d.rank, d.world_size
+        comm = cfg.muon_reduce_dtype
+        comm_dtype = torch.bfloat16 if comm == "bf16" or (comm == "auto" and d.device.type == "cuda") \
+            else torch.float32
+        self.muon = ParallelMuon([p for _, p in groups["muon"]], cfg.matrix_lr, cfg.muon_momentum,
+                                 cfg.muon_wd, cfg.muon_backend_steps, comm_dtype, d.world_size)
+        table_lr = cfg.tied_embed_lr if cfg.tie_embeddings else cfg.embed_lr
+        adam_groups = [dict(params=[p for _, p in groups[g]], lr=lr, weight_decay=wd, base_lr=lr)
+                       for g, lr, wd in (("token", table_lr, cfg.adam_wd), ("scalar", cfg.scalar_lr, cfg.adam_wd),
+                                         ("head", cfg.head_lr, 0.0)) if groups[g]]
+        self.adam = torch.optim.AdamW(adam_groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+                                      fused=d.device.type == "cuda")
+        self.muon.param_groups[0]["base_lr"] = cfg.matrix_lr
+        self.replicated = [p for g, _ in PARAM_TABLE if g != "muon" for _, p in groups[g]]
+        self.clip_norm = cfg.grad_clip_norm
+
+    def zero_grad(self) -> None:
+        self.adam.zero_grad(set_to_none=True)
+        self.muon.zero_grad(set_to_none=True)
+
+    def set_schedule(self, lr_scale: float, muon_momentum: float) -> None:
+        for g in self.adam.param_groups + self.muon.param_groups:
+            g["lr"] = g["base_lr"] * lr_scale
+        self.muon.param_groups[0]["momentum"] = muon_momentum
+
+    @torch.no_grad()
+    def step(self) -> Tensor:
+        """One optimizer step over reduced gradients; returns the global grad norm (pre-clip)."""
+        self.muon.launch_reduce_scatter()
+        reps = [p for p in self.replicated if p.grad is not None]
+        flat = torch.cat([p.grad.reshape(-1).float() for p in reps]) if reps else None
+        work = all_reduce_sum_(flat, async_op=True) if flat is not None else None
+        sq = self.muon.finish_reduce_scatter()
+        if flat is not None:
+            if work is not None:
+                work.wait()
+                flat.div_(self.world_size)
+            offset = 0
+            for p in reps:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset: offset + n].view_as(p.grad))
+                offset += n
+            if self.rank == 0:  # replicated grads are identical on all ranks: count them once
+                sq += flat.square().sum()
+        all_reduce_sum_(sq)
+        norm = sq.sqrt()
+        if self.clip_norm > 0:
+            coef = (self.clip_norm / (norm + 1e-6)).clamp(max=1.0)
+            self.muon.scale_grads_(coef)
+            for p in reps:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        self.adam.step()
+        self.muon.step()
+        return norm
+
+    def state_dict(self) -> dict:
+        return {"adam": self.adam.state_dict(), "muon": self.muon.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.adam.load_state_dict(state["adam"])
+        self.muon.load_state_dict(state["muon"])
+
+
+# =============================================================================================
+# Data: challenge shards, memory-mapped; every rank/accum split sees the same global batch
+# =============================================================================================
+
+SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 1024
+
+
+def open_shard(path: str | Path, vocab_size: int) -> np.ndarray:
+    """Memory-map one shard's tokens after checking header, size and token range."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise ValueError(f"{path}: truncated shard ({size} bytes, header needs {HEADER_BYTES})")
+    header = np.fromfile(path, dtype="<i4", count=256)
+    if header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
+        raise ValueError(f"{path}: not a challenge shard (magic {header[0]}, version {header[1]})")
+    n = int(header[2])
+    if n <= 0:
+        raise ValueError(f"{path}: shard holds no tokens")
+    if size != HEADER_BYTES + 2 * n:
+        raise ValueError(f"{path}: size {size} != {HEADER_BYTES + 2 * n} for {n} tokens (truncated?)")
+    tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,))
+    top = int(tokens.max()) if n else 0
+    if top >= vocab_size:
+        raise ValueError(f"{path}: token id {top} >= VOCAB_SIZE {vocab_size}")
+    return tokens
+
+
+def shard_files(data_path: str, split: str) -> list[str]:
+    if not Path(data_path).is_dir():
+        raise FileNotFoundError(f"DATA_PATH {data_path} is not a directory")
+    files = sorted(glob.glob(str(Path(data_path) / f"fineweb_{split}_*.bin")))
+    if not files:
+        raise FileNotFoundError(f"no shards matching {Path(data_path) / f'fineweb_{split}_*.bin'}")
+    return files
+
+
+def load_tokens(files: list[str], vocab_size: int) -> Tensor:
+    return torch.from_numpy(np.concatenate([np.asarray(open_shard(f, vocab_size)) for f in files]).astype(np.int64))
+
+
+class TokenStream:
+    """Reads the train shards in order, wrapping around; its position is a small state dict."""
+
+    def __init__(self, files: list[str], vocab_size: int):
+        self.files, self.vocab_size = files, vocab_size
+        self.file_idx, self.pos = 0, 0
+        self.tokens = open_shard(files[0], vocab_size)
+
+    def state_dict(self) -> dict:
+        return {"file_idx": self.file_idx, "pos": self.pos}
+
+    def load_state_dict(self, s: dict) -> None:
+        if s["file_idx"] != self.file_idx:
+            self.tokens = open_shard(self.files[s["file_idx"]], self.vocab_size)
+        self.file_idx, self.pos = s["file_idx"], s["pos"]
+
+    def take(self, n: int) -> np.ndarray:
+        """n + 1 tokens (inputs and shifted targets); the stream advances by n, so the last token
+        is read again as the first of the next batch."""
+        parts, need = [], n + 1
+        while need:
+            if self.pos >= len(self.tokens):
+                self.file_idx, self.pos = (self.file_idx + 1) % len(self.files), 0
+                self.tokens = open_shard(self.files[self.file_idx], self.vocab_size)
+                continue
+            k = min(need, len(self.tokens) - self.pos)
+            parts.append(np.asarray(self.tokens[self.pos: self.pos + k]))
+            self.pos, need = self.pos + k, need - k
+        self.pos -= 1  # the peeked token was read from the current shard, so pos >= 1 here
+        return np.concatenate(parts)
+
+
+class TrainLoader:
+    """Global batch = one contiguous chunk of TRAIN_BATCH_TOKENS cut into sequences; micro-step m of
+    rank r takes sequences [(m * world + r) * s, ...+ s). The set of sequences per step is therefore
+    independent of world size and accumulation split (the reference's per-rank spans were not)."""
+
+    def __init__(self, files: list[str], cfg: Hyperparameters, d: Dist, grad_accum: int):
+        self.stream = TokenStream(files, cfg.vocab_size)
+        self.seq_len, self.batch_tokens = cfg.train_seq_len, cfg.train_batch_tokens
+        self.d, self.grad_accum = d, grad_accum
+        self.seqs_per_micro = cfg.train_batch_tokens // (cfg.train_seq_len * d.world_size * grad_accum)
+
+    def next_batch(self) -> list[tuple[Tensor, Tensor]]:
+        chunk = torch.from_numpy(self.stream.take(self.batch_tokens).astype(np.int64))
+        T, s = self.seq_len, self.seqs_per_micro
+        x_all, y_all = chunk[:-1].view(-1, T), chunk[1:].view(-1, T)
+        out = []
+        for m in range(self.grad_accum):
+            lo = (m * self.d.world_size + self.d.rank) * s
+            x, y = x_all[lo: lo + s], y_all[lo: lo + s]
+            if self.d.device.type == "cuda":
+                x, y = x.pin_memory().to(self.d.device, non_blocking=True), y.pin_memory().to(self.d.device, non_blocking=True)
+            out.append((x, y))
+        return out
+
+
+def resolve_grad_accum(cfg: Hyperparameters, world_size: int) -> int:
+    accum = cfg.grad_accum_steps or max(1, 8 // world_size)
+    if cfg.train_batch_tokens % (world_size * accum * cfg.train_seq_len):
+        raise ValueError(f"TRAIN_BATCH_TOKENS={cfg.train_batch_tokens} does not divide into WORLD_SIZE={world_size}"
+                         f" x GRAD_ACCUM_STEPS={accum} x TRAIN_SEQ_LEN={cfg.train_seq_len}")
+    return accum
+
+
+# =============================================================================================
+# Model: banked GPT
+# =============================================================================================
+
+def rms_norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def apply_rope(x_BTHD: Tensor, rope_dims: int, base: float) -> Tensor:
+    """Rotate the first rope_dims channels of each head (half-split pairs); the rest pass through."""
+    if rope_dims == 0:
+        return x_BTHD
+    T, half = x_BTHD.size(1), rope_dims // 2
+    inv_freq = 1.0 / base ** (torch.arange(0, rope_dims, 2, device=x_BTHD.device, dtype=torch.float32) / rope_dims)
+    freqs = torch.outer(torch.arange(T, device=x_BTHD.device, dtype=torch.float32), inv_freq)
+    cos, sin = freqs.cos()[None, :, None, :].to(x_BTHD.dtype), freqs.sin()[None, :, None, :].to(x_BTHD.dtype)
+    x1, x2, rest = x_BTHD[..., :half], x_BTHD[..., half:rope_dims], x_BTHD[..., rope_dims:]
+    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, rest), dim=-1)
+
+
+def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str) -> Tensor:
+    """Causal GQA attention, (B,T,H,D) in and out."""
+    if backend == "fa3":
+        from flash_attn_interface import flash_attn_func  # FlashAttention-3 (Hopper), optional
+        y = flash_attn_func(q_BTHD, k_BTKD, v_BTKD, causal=True)
+        return y[0] if isinstance(y, tuple) else y
+    q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTKD, v_BTKD))
+    if backend == "cudnn":  # cuDNN SDPA has no GQA: repeat K/V heads
+        rep = q.size(1) // k.size(1)
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+
+
+def exclusive_self_attention(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
+    """XSA (PR #265 lineage): remove from each head's output its component along its own token's
+    normalised value vector, so attention carries context rather than the token itself."""
+    B, T, H, D = y_BTHD.shape
+    K = v_BTKD.size(2)
+    y = y_BTHD.reshape(B, T, K, H // K, D)
+    vn = F.normalize(v_BTKD, dim=-1).unsqueeze(-2)
+    return (y - (y * vn).sum(-1, keepdim=True) * vn).reshape(B, T, H, D)
+
+
+def fake_quant_int6(w: Tensor, floor: float) -> Tensor:
+    """Straight-through int6 fake quantisation with per-row (last dim) max scaling, as exported."""
+    scale = (w.detach().abs().amax(dim=-1, keepdim=True) / 31.0).clamp_min(floor)
+    q = torch.clamp(torch.round(w.detach() / scale), -31, 31) * scale
+    return w + (q - w).detach()
+
+
+def orthogonal_(w: Tensor) -> Tensor:
+    return nn.init.orthogonal_(w, gain=1.0)
+
+
+class Block(nn.Module):
+    """Per-layer control tensors; the layer's matrices live in the model's banks."""
+
+    def __init__(self, dim: int, num_heads: int, qk_gain_init: float):
+        super().__init__()
+        self.attn_scale = nn.Parameter(torch.ones(dim))
+        self.mlp_scale = nn.Parameter(torch.ones(dim))
+        self.resid_mix = nn.Parameter(torch.stack((torch.ones(dim), torch.zeros(dim))))  # (x, x0) mix
+        self.q_gain = nn.Parameter(torch.full((num_heads,), qk_gain_init))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: Hyperparameters, attn_backend: str = "math"):
+        super().__init__()
+        L, D, V = cfg.num_layers, cfg.model_dim, cfg.vocab_size
+        kv_dim, mlp_dim = cfg.num_kv_heads * cfg.head_dim, int(cfg.mlp_mult * D)
+        self.cfg, self.attn_backend, self.qat_enabled = cfg, attn_backend, False
+        self.tok_emb = nn.Embedding(V, D)
+        # Banks (PR #399): one 3-D parameter per matrix kind so Muon orthogonalises them batched.
+        self.qo_bank = nn.Parameter(torch.empty(2 * L, D, D))  # [0,L): Q, [L,2L): attention out
+        self.kv_bank = nn.Parameter(torch.empty(2 * L, kv_dim, D))  # [0,L): K, [L,2L): V
+        self.mlp_up_bank = nn.Parameter(torch.empty(L, mlp_dim, D))
+        self.mlp_down_bank = nn.Parameter(torch.empty(L, D, mlp_dim))
+        self.blocks = nn.ModuleList(Block(D, cfg.num_heads, cfg.qk_gain_init) for _ in range(L))
+        self.num_encoder = L // 2  # U-Net: first half pushes skips, second half pops them
+        self.skip_weights = nn.Parameter(torch.ones(min(self.num_encoder, L - self.num_encoder), D))
+        if cfg.bigram_vocab_size > 0:  # BigramHash (PR #162 lineage)
+            self.bigram = nn.Module()
+            self.bigram.embed = nn.Embedding(cfg.bigram_vocab_size, cfg.bigram_dim)
+            self.bigram.proj = nn.Linear(cfg.bigram_dim, D, bias=False)
+            self.bigram.scale = nn.Parameter(torch.tensor(0.05))
+        if cfg.smear_enabled:  # SmearGate: per-channel mix with the previous position
+            self.smear_gate = nn.Parameter(torch.zeros(D))
+        if cfg.ve_layer_list:  # value embeddings: token identity re-injected into V of late layers
+            self.ve = nn.Module()
+            self.ve.embed = nn.Embedding(V, cfg.ve_dim)
+            self.ve.proj = nn.Linear(cfg.ve_dim, kv_dim, bias=False)
+            self.ve.scale = nn.Parameter(torch.tensor(0.1))
+            self.ve_layer_scales = nn.Parameter(torch.ones(len(cfg.ve_layer_list)))
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(D, V, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        cfg, L = self.cfg, self.cfg.num_layers
+        nn.init.normal_(self.tok_emb.weight, std=cfg.tied_embed_init_std)
+        for i in range(L):  # Q, K, V, MLP up orthogonal; attention out and MLP down zero
+            orthogonal_(self.qo_bank[i]), orthogonal_(self.kv_bank[i]), orthogonal_(self.kv_bank[L + i])
+            orthogonal_(self.mlp_up_bank[i])
+        self.qo_bank[L:].zero_()
+        self.mlp_down_bank.zero_()
+        if cfg.bigram_vocab_size > 0:
+            self.bigram.embed.weight.zero_()
+            self._init_linear(self.bigram.proj.weight)
+        if cfg.ve_layer_list:
+            nn.init.normal_(self.ve.embed.weight, std=0.01)
+            self._init_linear(self.ve.proj.weight)
+        if not cfg.tie_embeddings:
+            self.lm_head.weight.zero_()
+
+    @staticmethod
+    def _init_linear(w: Tensor) -> None:
+        if min(w.shape) >= 64:
+            orthogonal_(w)  # the reference's rule: every other linear >= 64x64 is orthogonal
+        else:
+            nn.init.normal_(w, std=w.shape[1] ** -0.5)
+
+    def bank_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        banks = (self.qo_bank, self.kv_bank, self.mlp_up_bank, self.mlp_down_bank)
+        if self.qat_enabled:
+            banks = tuple(fake_quant_int6(b, self.cfg.int6_scale_floor) for b in banks)
+        return tuple(b.to(dtype) for b in banks)
+
+    def embed(self, ids_BT: Tensor) -> Tensor:
+        x = self.tok_emb(ids_BT)
+        if self.cfg.bigram_vocab_size > 0:
+            # hash(prev, cur) into buckets-1 slots; position 0 (no previous token) uses the last slot
+            t = ids_BT.to(torch.int32)
+            mod = self.cfg.bigram_vocab_size - 1
+            h = torch.bitwise_xor(36313 * t[:, 1:], 27191 * t[:, :-1]) % mod
+            h = torch.cat((torch.full_like(t[:, :1], mod), h), dim=1).long()
+            b = self.bigram.proj(self.bigram.embed(h))
+            x = x + b * self.bigram.scale.to(b.dtype)
+        x = rms_norm(x)
+        if self.cfg.smear_enabled:
+            g = torch.sigmoid(self.smear_gate.to(x.dtype))
+            x = (1 - g) * x + g * F.pad(x[:, :-1], (0, 0, 1, 0))
+        return x
+
+    def hidden(self, ids_BT: Tensor) -> Tensor:
+        cfg, L = self.cfg, self.cfg.num_layers
+        x = self.embed(ids_BT)
+        x0, skips = x, []
+        dtype = torch.bfloat16 if torch.is_autocast_enabled(x.device.type) else x.dtype
+        qo, kv, up, down = self.bank_weights(dtype)
+        ve_BTK = None
+        if cfg.ve_layer_list:
+            ve_BTK = self.ve.proj(self.ve.embed(ids_BT))
+            ve_BTK = ve_BTK * self.ve.scale.to(ve_BTK.dtype)
+        B, T, _ = x.shape
+        H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        for i, blk in enumerate(self.blocks):
+            if i >= self.num_encoder and skips:
+                x = x + self.skip_weights[i - self.num_encoder].to(x.dtype) * skips.pop()
+            ln = 1.0 / math.sqrt(i + 1) if cfg.ln_scale else 1.0
+            mix = blk.resid_mix.to(x.dtype)
+            x = mix[0] * x + mix[1] * x0
+            h = rms_norm(x) * ln
+            q = F.linear(h, qo[i]).view(B, T, H, hd)
+            k = F.linear(h, kv[i]).view(B, T, K, hd)
+            v = F.linear(h, kv[L + i])
+            if i in cfg.ve_layer_list:
+                v = v + ve_BTK * self.ve_layer_scales[cfg.ve_layer_list.index(i)].to(v.dtype)
+            v = v.view(B, T, K, hd)
+            q = apply_rope(rms_norm(q), cfg.rope_dims, cfg.rope_base)
+            k = apply_rope(rms_norm(k), cfg.rope_dims, cfg.rope_base)
+            q = q * blk.q_gain.to(q.dtype)[:, None]
+            y = attention(q, k, v, self.attn_backend)
+            if i >= L - cfg.xsa_last_n:
+                y = exclusive_self_attention(y, v)
+            x = x + blk.attn_scale.to(x.dtype) * F.linear(y.reshape(B, T, H * hd), qo[L + i])
+            u = F.linear(rms_norm(x) * ln, up[i])
+            u = F.leaky_relu(u, cfg.mlp_negative_slope) if cfg.mlp_negative_slope > 0 else F.relu(u)
+            x = x + blk.mlp_scale.to(x.dtype) * F.linear(u.square(), down[i])
+            if i < self.num_encoder:
+                skips.append(x)
+        return rms_norm(x)
+
+    def logits(self, ids_BT: Tensor) -> Tensor:
+        h = self.hidden(ids_BT)
+        w = self.tok_emb.weight if self.cfg.tie_embeddings else self.lm_head.weight
+        logits = F.linear(h, w)
+        c = self.cfg.logit_softcap
+        return c * torch.tanh(logits / c) if c > 0 else logits
+
+    def forward(self, ids_BT: Tensor, targets_BT: Tensor) -> Tensor:
+        logits = self.logits(ids_BT)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets_BT.flatten())
+
+
+def resolve_attn_backend(cfg: Hyperparameters, device: torch.device) -> str:
+    if cfg.attn_backend != "auto":
+        if cfg.attn_backend in ("fa3", "flash", "cudnn") and device.type != "cuda":
+            raise ValueError(f"ATTN_BACKEND={cfg.attn_backend} needs CUDA")
+        return cfg.attn_backend
+    if device.type != "cuda":
+        return "math"
+    import importlib.util
+    return "fa3" if importlib.util.find_spec("flash_attn_interface") else "flash"
+
+
+def configure_sdpa(backend: str) -> None:
+    """Pin PyTorch SDPA to one kernel so a silent fallback cannot change speed."""
+    if not torch.cuda.is_available():
+        return
+    b = torch.backends.cuda
+    b.enable_flash_sdp(backend == "flash")
+    b.enable_cudnn_sdp(backend == "cudnn")
+    b.enable_mem_efficient_sdp(False)
+    b.enable_math_sdp(backend == "math")
+
+
+def build_model(cfg: Hyperparameters, device: torch.device, attn_backend: str) -> GPT:
+    """The one constructor for training and scoring models. Banks, linears and control tensors are
+    fp32; on CUDA the three embedding tables are bf16 parameters as in the reference."""
+    model = GPT(cfg, attn_backend).to(device)
+    if device.type == "cuda":
+        for name, p in model.named_parameters():
+            if name.endswith("embed.weight") or name == "tok_emb.weight":
+                p.data = p.data.bfloat16()
+    return model
+
+
+def autocast(device: torch.device):
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+# =============================================================================================
+# Eval + bpb: exact sliding-window scoring
+# =============================================================================================
+
+def build_byte_luts(sp, vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token UTF-8 byte counts for val_bpb (REFERENCE.md "val_bpb, exactly")."""
+    n = int(sp.vocab_size())
+    if n != vocab_size:
+        raise ValueError(f"tokenizer vocabulary {n} != VOCAB_SIZE {vocab_size}")
+    if not any(sp.id_to_piece(i) == "\u2581" for i in range(n)):
+        raise ValueError("tokenizer has no standalone U+2581 piece: its byte counts would be wrong "
+                         "(a known way to fake val_bpb); use a tokenizer trained with the challenge settings")
+    base, space, boundary = np.zeros(n, np.int16), np.zeros(n, np.bool_), np.ones(n, np.bool_)
+    for i in range(n):
+        if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i):
+            continue  # boundary token, 0 bytes
+        boundary[i] = False
+        if sp.is_byte(i):
+            base[i] = 1
+            continue
+        piece = sp.id_to_piece(i)
+        if piece.startswith("\u2581"):
+            space[i], piece = True, piece[1:]
+        base[i] = len(piece.encode("utf-8"))
+    return tuple(torch.from_numpy(a).to(device) for a in (base, space, boundary))
+
+
+def sliding_windows(num_targets: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
+    """Windows (start, first scored target, end) over targets [0, num_targets): window k starts at
+    k*stride and scores only its last `stride` targets (the first scores all), the last window stops
+    at the end. Every target is scored exactly once (the reference re-scored the tail up to 32x)."""
+    out, start = [], 0
+    while True:
+        end = min(start + seq_len, num_targets)
+        lo = 0 if start == 0 else start + seq_len - stride
+        if lo >= num_targets:
+            return out
+        out.append((start, lo, end))
+        if end == num_targets:
+            return out
+        start += stride
+
+
+@dataclass
+class Score:
+    loss: float
+    bpb: float
+    tokens: int
+    bytes: int
+    time_ms: float
+    compile_ms: float
+
+
+class Scorer:
+    """Scores a model on the validation tokens: windows batched, split across ranks, sums in float64."""
+
+    def __init__(self, cfg: Hyperparameters, d: Dist, tokens: Tensor, luts, batch_seqs: int, compile_enabled: bool):
+        self.cfg, self.d, self.luts, self.compile_enabled = cfg, d, luts, compile_enabled
+        self.tokens = tokens.to(d.device)
+        self.batch_seqs = batch_seqs
+
+    @torch.inference_mode()
+    def __call__(self, model: GPT, stride: int) -> Score:
+        cfg, d, L, B = self.cfg, self.d, self.cfg.eval_seq_len, self.batch_seqs
+        was_training = model.training
+        model.eval()
+        fn = torch.compile(model.logits, dynamic=False, fullgraph=True) if self.compile_enabled else model.logits
+        t0 = _now(d.device)
+        with autocast(d.device):  # fixed batch shape: one compile, timed apart from scoring
+            fn(torch.zeros(B, L, dtype=torch.int64, device=d.device))
+        t1 = _now(d.device)
+        wins = sliding_windows(self.tokens.numel() - 1, L, stride)
+        mine = torch.tensor(wins[len(wins) * d.rank // d.world_size: len(wins) * (d.rank + 1) // d.world_size],
+                            dtype=torch.int64, device=d.device).view(-1, 3)
+        base, space, boundary = self.luts
+        pos = torch.arange(L, device=d.device)
+        sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # nll, tokens, bytes
+        last = self.tokens.numel() - 1
+        for b0 in range(0, mine.size(0), B):
+            w = mine[b0: b0 + B]
+            pad = B - w.size(0)
+            if pad:
+                w = torch.cat((w, w.new_zeros(pad, 3)))  # all-zero rows score nothing
+            idx = (w[:, :1] + pos).clamp(max=last - 1)
+            x, y = self.tokens[idx], self.tokens[idx + 1]
+            mask = (pos >= (w[:, 1:2] - w[:, :1])) & (pos < (w[:, 2:3] - w[:, :1]))
+            with autocast(d.device):
+                logits = fn(x)
+            nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view(B, L)
+            nbytes = base[y].double() + (space[y] & ~boundary[x]).double()
+            m = mask.double()
+            sums += torch.stack(((nll.double() * m).sum(), m.sum(), (nbytes * m).sum()))
+        all_reduce_sum_(sums)
+        t2 = _now(d.device)
+        model.train(was_training)
+        nll, ntok, nbytes = sums.tolist()
+        loss = nll / ntok
+        return Score(loss, loss / math.log(2) * ntok / nbytes, int(ntok), int(nbytes), t2 - t1, t1 - t0)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() * 1000.0
+
+
+# =============================================================================================
+# Quantization + serialization: int6 banks, int8 tables, fp16 rest; no pickle
+# =============================================================================================
+
+CLIP_QUANTILES = (0.999, 0.9995, 0.9999, 0.99999, 1.0)  # per-row clip candidates, best MSE wins
+INT8_CLIP_QUANTILE = 0.9999984  # the reference's per-row clip for int8 tables
+KEEP_FLOAT_MAX_NUMEL = 65536  # tensors up to this size stay float (fp16)
+ARTIFACT_MAGIC, PAYLOAD_MAGIC = b"PGA1", b"PGT1"
+COMPRESSOR_CODES = {"zstd": 0, "lzma": 1}
+BANK_SLOTS = (  # (bank, slot offset in layers, exported per-layer name)
+    ("qo_bank", 0, "attn.q"), ("qo_bank", 1, "attn.o"), ("kv_bank", 0, "attn.k"), ("kv_bank", 1, "attn.v"),
+    ("mlp_up_bank", 0, "mlp.up"), ("mlp_down_bank", 0, "mlp.down"))
+
+
+def unbank(state: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
+    """Banks -> per-layer matrices named blocks.{i}.{attn.q,...}; other tensors pass through."""
+    out = {k: v for k, v in state.items() if not k.endswith("_bank")}
+    for bank, slot, name in BANK_SLOTS:
+        for i in range(num_layers):
+            out[f"blocks.{i}.{name}"] = state[bank][slot * num_layers + i]
+    return out
+
+
+def rebank(tensors: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
+    out = dict(tensors)
+    slots: dict[str, dict[int, Tensor]] = {}
+    for bank, slot, name in BANK_SLOTS:
+        for i in range(num_layers):
+            slots.setdefault(bank, {})[slot * num_layers + i] = out.pop(f"blocks.{i}.{name}")
+    for bank, rows in slots.items():
+        out[bank] = torch.stack([rows[j] for j in range(len(rows))])
+    return out
+
+
+def quantize_rows(w: Tensor, qmax: int, quantiles: tuple[float, ...], floor: float) -> tuple[Tensor, Tensor]:
+    """Symmetric per-row quantisation of a 2-D tensor; of the clip candidates (a quantile of |w| per
+    row) the one with the lowest whole-matrix MSE wins. Returns (int8 codes, fp16 row scales)."""
+    w = w.float()
+    best = None
+    for qt in quantiles:
+        clip = w.abs().amax(dim=1) if qt >= 1.0 else torch.quantile(w.abs(), qt, dim=1)
+        scale = (clip / qmax).clamp_min(floor).half().float()
+        q = torch.clamp(torch.round(torch.maximum(torch.minimum(w, clip[:, None]), -clip[:, None]) / scale[:, None]),
+                        -qmax, qmax)
+        err = (w - q * scale[:, None]).square().mean().item()
+        if best is None or err < best[0]:
+            best = (err, q.to(torch.int8), scale.half())
+    return best[1], best[2]
+
+
+def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters) -> dict[str, Tensor]:
+    out = {}
+    for name, t in unbank(state, cfg.num_layers).items():
+        t = t.detach().float().cpu()
+        if name.startswith("blocks.") and t.ndim == 2:  # a bank matrix
+            out[name + ".q6"], out[name + ".scale"] = quantize_rows(t, 31, CLIP_QUANTILES, cfg.int6_scale_floor)
+        elif t.numel() > KEEP_FLOAT_MAX_NUMEL and t.ndim == 2:  # token / bigram / value-embedding tables
+            out[name + ".q8"], out[name + ".scale"] = quantize_rows(t, 127, (INT8_CLIP_QUANTILE,), 1 / 127)
+        else:
+            out[name + ".f16"] = t.half()
+    return out
+
+
+def dequantize_state(packed: dict[str, Tensor], template: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
+    """Inverse of quantize_state, checked against the state_dict of a freshly built model."""
+    flat = {}
+    for key, t in packed.items():
+        name, kind = key.rsplit(".", 1)
+        if kind in ("q6", "q8"):
+            flat[name] = t.float() * packed[name + ".scale"].float()[:, None]
+        elif kind == "f16":
+            flat[name] = t.float()
+        elif kind != "scale":
+            raise ValueError(f"artifact holds an unknown tensor kind: {key}")
+    want = unbank(template, num_layers)
+    missing, extra = sorted(set(want) - set(flat)), sorted(set(flat) - set(want))
+    if missing or extra:
+        raise ValueError(f"artifact does not match the model settings: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, t in want.items():
+        if flat[name].shape != t.shape:
+            raise ValueError(f"artifact tensor {name} has shape {tuple(flat[name].shape)}, model wants {tuple(t.shape)}")
+    state = rebank(flat, num_layers)
+    return {k: state[k].to(template[k].dtype) for k in template}
+
+
+_DTYPES = {"int8": torch.int8, "float16": torch.float16, "float32": torch.float32}
+
+
+def pack_tensors(tensors: dict[str, Tensor]) -> bytes:
+    """Compact container: magic, u32 header length, JSON [[name, dtype, shape], ...], raw data."""
+    header = json.dumps([[k, str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in tensors.items()],
+                        separators=(",", ":")).encode()
+    body = b"".join(t.contiguous().numpy().tobytes() for t in tensors.values())
+    return PAYLOAD_MAGIC + struct.pack("<I", len(header)) + header + body
+
+
+def unpack_tensors(buf: bytes) -> dict[str, Tensor]:
+    if buf[:4] != PAYLOAD_MAGIC or len(buf) < 8:
+        raise ValueError("artifact payload is corrupt (bad magic)")
+    (hlen,) = struct.unpack("<I", buf[4:8])
+    try:
+        header = json.loads(buf[8: 8 + hlen])
+    except ValueError:
+        raise ValueError("artifact payload is corrupt (unreadable header)") from None
+    out, offset = {}, 8 + hlen
+    for name, dtype, shape in header:
+        dt = _DTYPES[dtype]
+        n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        if offset + n > len(buf):
+            raise ValueError(f"artifact payload is truncated at tensor {name}")
+        out[name] = torch.frombuffer(bytearray(buf[offset: offset + n]), dtype=dt).reshape(shape)
+        offset += n
+    if offset != len(buf):
+        raise ValueError(f"artifact payload has {len(buf) - offset} trailing bytes")
+    return out
+
+
+def _zstd():
+    try:
+        import zstandard
+        return zstandard
+    except ImportError:
+        return None
+
+
+def compress(payload: bytes, method: str) -> tuple[bytes, str]:
+    """zstd level 22 or xz (lzma preset 9 extreme); auto keeps the smaller. Both check integrity."""
+    methods = ["zstd", "lzma"] if method == "auto" else [method]
+    if _zstd() is None:
+        if method == "zstd":
+            raise RuntimeError("COMPRESSOR=zstd but the zstandard package is not installed")
+        methods = ["lzma"]
+    blobs = {}
+    for m in methods:
+        if m == "zstd":
+            blobs[m] = _zstd().ZstdCompressor(level=22, write_checksum=True).compress(payload)
+        else:
+            blobs[m] = lzma.compress(payload, format=lzma.FORMAT_XZ, preset=9 | lzma.PRESET_EXTREME)
+    best = min(blobs, key=lambda m: len(blobs[m]))
+    return ARTIFACT_MAGIC + bytes([COMPRESSOR_CODES[best]]) + blobs[best], best
+
+
+def decompress(blob: bytes) -> bytes:
+    if len(blob) < 5 or blob[:4] != ARTIFACT_MAGIC or blob[4] not in COMPRESSOR_CODES.values():
+        raise ValueError("not an artifact of this script (bad magic or compressor byte)")
+    try:
+        if blob[4] == COMPRESSOR_CODES["zstd"]:
+            if _zstd() is None:
+                raise RuntimeError("artifact is zstd-compressed but the zstandard package is not installed")
+            return _zstd().ZstdDecompressor().decompress(blob[5:])
+        return lzma.decompress(blob[5:], format=lzma.FORMAT_XZ)
+    except (lzma.LZMAError, EOFError) as e:
+        raise ValueError(f"artifact is corrupt or truncated: {e}") from None
+    except Exception as e:
+        if type(e).__name__ == "ZstdError":
+            raise ValueError(f"artifact is corrupt or truncated: {e}") from None
+        raise
+
+
+def load_artifact(path: str | Path, template: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
+    return dequantize_state(unpack_tensors(decompress(Path(path).read_bytes())), template, num_layers)
+
+
+# =============================================================================================
+# Training phases
+# =============================================================================================
+
+class Logger:
+    """Rank 0 only: `event key:value` lines to stdout and logs/<RUN_ID>.txt."""
+
+    def __init__(self, run_id: str, enabled: bool):
+        self.enabled = enabled
+        self.path = Path("logs") / f"{run_id}.txt"
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, msg: str, console: bool = True) -> None:
+        if not self.enabled:
+            return
+        if console:
+            print(msg, flush=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(msg + "\n")
+
+
+class EMA:
+    """Exponential moving average of all parameters in fp32, applied to the model after training."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        self.decay = decay
+        self.params = [p for p in model.parameters()]
+        self.shadow = [p.detach().float().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        torch._foreach_lerp_(self.shadow, [p.float() for p in self.params], 1.0 - self.decay)
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        for p, s in zip(self.params, self.shadow):
+            p.copy_(s.to(p.dtype))
+
+
+def lr_scale_at(cfg: Hyperparameters, step: int, elapsed_ms: float) -> float:
+    """Linear warmdown over WARMDOWN_ITERS, by iteration, or (when capped) by wallclock: the warmdown
+    starts when the remaining time equals WARMDOWN_ITERS average steps."""
+    if cfg.warmdown_iters <= 0:
+        return 1.0
+    if cfg.max_wallclock_seconds <= 0:
+        return min(1.0, max(0.0, (cfg.iterations - step) / cfg.warmdown_iters))
+    warmdown_ms = cfg.warmdown_iters * elapsed_ms / max(step, 1)
+    remaining_ms = max(1000.0 * cfg.max_wallclock_seconds - elapsed_ms, 0.0)
+    return min(1.0, remaining_ms / max(warmdown_ms, 1e-9))
+
+
+def muon_momentum_at(cfg: Hyperparameters, step: int) -> float:
+    frac = min(step / cfg.muon_momentum_warmup_steps, 1.0) if cfg.muon_momentum_warmup_steps > 0 else 1.0
+    return (1 - frac) * cfg.muon_momentum_warmup_start + frac * cfg.muon_momentum
+
+
+class Trainer:
+    """Owns model, optimizers and data for the training phases: warmup (then full restore), the timed
+    loop with its wallclock cap, and the bookkeeping of losses."""
+
+    def __init__(self, cfg: Hyperparameters, d: Dist, model: GPT, loader: TrainLoader, log: Logger,
+                 grad_accum: int, compile_enabled: bool):
+        self.cfg, self.d, self.model, self.loader, self.log = cfg, d, model, loader, log
+        self.grad_accum = grad_accum
+        self.opt = Optimizers(model, cfg, d)
+        self.fwd = torch.compile(model, dynamic=False, fullgraph=True) if compile_enabled else model
+
+    def step(self, step: int, lr_scale: float) -> Tensor:
+        """One optimizer step over the global batch; returns this rank's mean micro-batch loss."""
+        self.opt.set_schedule(lr_scale, muon_momentum_at(self.cfg, step))
+        loss_sum = torch.zeros((), device=self.d.device)
+        for x, y in self.loader.next_batch():
+            with autocast(self.d.device):
+                loss = self.fwd(x, y)
+            (loss / self.grad_accum).backward()
+            loss_sum += loss.detach()
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss_sum / self.grad_accum
+
+    def warmup(self) -> None:
+        """Compile (and fill caches) on real steps, then restore weights, optimizer state and data
+        position exactly. With late QAT on, the last warmup step compiles the QAT variant too, so the
+        switch inside the timed window costs no recompile."""
+        cfg = self.cfg
+        if cfg.warmup_steps <= 0:
+            return
+        saved = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict()),
+                 self.loader.stream.state_dict())
+        for i in range(cfg.warmup_steps):
+            self.model.qat_enabled = cfg.late_qat_threshold > 0 and cfg.warmup_steps >= 2 and i == cfg.warmup_steps - 1
+            self.step(i, 1.0)
+            self.log(f"warmup_step:{i + 1}/{cfg.warmup_steps}")
+        self.model.qat_enabled = False
+        self.model.load_state_dict(saved[0])
+        self.opt.load_state_dict(saved[1])
+        self.loader.stream.load_state_dict(saved[2])
+
+    def mean_loss(self, loss: Tensor) -> float:
+        t = loss.detach().double().reshape(1)
+        all_reduce_sum_(t)
+        return t.item() / self.d.world_size
+
+    def train(self, scorer: Scorer, ema: EMA | None) -> tuple[int, float]:
+        cfg, d, log = self.cfg, self.d, self.log
+        cap_ms = 1000.0 * cfg.max_wallclock_seconds
+        recent_ms: list[float] = []
+        first_bad = torch.full((), -1, dtype=torch.int64, device=d.device)  # first non-finite loss step
+        step, train_ms, t0 = 0, 0.0, _now(d.device)
+        while step < cfg.iterations:
+            if cfg.val_loss_every > 0 and step > 0 and step % cfg.val_loss_every == 0:
+                train_ms += _now(d.device) - t0
+                s = scorer(self.model, cfg.eval_seq_len)
+                log(f"step:{step}/{cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} "
+                    f"train_time:{train_ms:.0f}ms step_avg:{train_ms / step:.2f}ms")
+                t0 = _now(d.device)
+            elapsed = train_ms + _now(d.device) - t0 if cap_ms > 0 else 0.0
+            if cap_ms > 0:  # a step starts only if its predicted end fits; all ranks agree
+                predicted = all_reduce_max(elapsed + (max(recent_ms[-10:]) if recent_ms else 0.0), d.device)
+                if predicted > cap_ms:
+                    log(f"stopping_early: wallclock_cap train_time:{elapsed:.0f}ms step:{step}/{cfg.iterations}")
+                    break
+            lr_scale = lr_scale_at(cfg, step, elapsed)
+            if cfg.late_qat_threshold > 0 and lr_scale < cfg.late_qat_threshold and not self.model.qat_enabled:
+                self.model.qat_enabled = True
+                log(f"late_qat:enabled step:{step} lr_scale:{lr_scale:.4f}")
+            t_step = _now(d.device) if cap_ms > 0 else 0.0
+            loss = self.step(step, lr_scale)
+            if ema is not None:
+                ema.update()
+            step += 1
+            if cap_ms > 0:
+                recent_ms.append(_now(d.device) - t_step)
+            first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad)
+            if cfg.train_log_every > 0 and (step <= 10 or step % cfg.train_log_every == 0):
+                self.check_finite(first_bad)
+                mean = self.mean_loss(loss)
+                now = train_ms + _now(d.device) - t0
+                log(f"step:{step}/{cfg.iterations} train_loss:{mean:.4f} train_time:{now:.0f}ms "
+                    f"step_avg:{now / step:.2f}ms")
+        train_ms += _now(d.device) - t0
+        self.check_finite(first_bad)
+        return step, train_ms
+
+    def check_finite(self, first_bad: Tensor) -> None:
+        bad = int(all_reduce_max(float(first_bad.item()), self.d.device))
+        if bad >= 0:
+            raise FloatingPointError(f"non-finite training loss at step {bad}")
+
+
+def log_header(log: Logger, cfg: Hyperparameters, d: Dist, warnings: list[str], code: str) -> None:
+    log("==== source: train_gpt.py ====", console=False)
+    log(code, console=False)
+    log("==== end source ====", console=False)
+    log(f"versions python:{platform.python_version()} torch:{torch.__version__} numpy:{np.__version__} "
+        f"platform:{platform.platform()}")
+    if d.device.type == "cuda":
+        p = torch.cuda.get_device_properties(d.device)
+        log(f"device name:{p.name.replace(' ', '_')} memory_mib:{p.total_memory // 2**20} count:{torch.cuda.device_count()}")
+    else:
+        log(f"device name:cpu threads:{torch.get_num_threads()}")
+    log(f"world_size:{d.world_size}")
+    for f in sorted(fields(cfg), key=lambda f: f.name):
+        log(f"setting {f.name}:{getattr(cfg, f.name)}", console=False)
+    for w in warnings:
+        log(f"warning {w}")
+
+
+def log_score(log: Logger, key: str, s: Score, extra: str = "") -> None:
+    log(f"{key} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f}{extra} eval_time:{s.time_ms:.0f}ms "
+        f"compile_time:{s.compile_ms:.0f}ms scored_tokens:{s.tokens} scored_bytes:{s.bytes}")
+    log(f"{key}_exact val_loss:{s.loss:.8f} val_bpb:{s.bpb:.8f}")
+
+
+# =============================================================================================
+# main
+# =============================================================================================
+
+SIZE_LIMIT_BYTES = 16_000_000
+
+
+def main() -> int:
+    code = Path(__file__).read_text(encoding="utf-8")
+    cfg, warnings = Hyperparameters.from_env()
+    d = init_distributed(cfg)
+    log = Logger(cfg.run_id, d.is_main)
+    log_header(log, cfg, d, warnings, code)
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    if d.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    attn_backend = resolve_attn_backend(cfg, d.device)
+    configure_sdpa(attn_backend)
+    compile_enabled = cfg.compile_enabled == "1" or (cfg.compile_enabled == "auto" and d.device.type == "cuda")
+    grad_accum = resolve_grad_accum(cfg, d.world_size)
+    log(f"layout world_size:{d.world_size} grad_accum_steps:{grad_accum} attn_backend:{attn_backend} "
+        f"compile:{int(compile_enabled)}")
+
+    import sentencepiece as spm
+    if not Path(cfg.tokenizer_path).is_file():
+        raise FileNotFoundError(f"TOKENIZER_PATH {cfg.tokenizer_path} does not exist")
+    luts = build_byte_luts(spm.SentencePieceProcessor(model_file=cfg.tokenizer_path), cfg.vocab_size, d.device)
+    val_tokens = load_tokens(shard_files(cfg.data_path, "val"), cfg.vocab_size)
+    batch_seqs = max(1, cfg.val_batch_size // (d.world_size * grad_accum * cfg.eval_seq_len))
+    scorer = Scorer(cfg, d, val_tokens, luts, batch_seqs, compile_enabled)
+    log(f"val_tokens:{val_tokens.numel()} scored_targets:{val_tokens.numel() - 1} eval_batch_seqs:{batch_seqs}")
+
+    model = build_model(cfg, d.device, attn_backend)
+    log(f"model_params:{sum(p.numel() for p in model.parameters())}")
+    artifact = Path(cfg.eval_only or cfg.artifact_path)
+    if not cfg.eval_only:
+        loader = TrainLoader(shard_files(cfg.data_path, "train"), cfg, d, grad_accum)
+        trainer = Trainer(cfg, d, model, loader, log, grad_accum, compile_enabled)
+        trainer.warmup()
+        ema = EMA(model, cfg.ema_decay) if cfg.ema_enabled else None
+        steps, train_ms = trainer.train(scorer, ema)
+        log(f"train_done steps:{steps} train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms")
+        if d.device.type == "cuda":
+            log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+        s = scorer(model, cfg.eval_seq_len)
+        log(f"step:{steps}/{cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} "
+            f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms")
+        if ema is not None:
+            ema.copy_to_model()
+            log_score(log, "post_ema", scorer(model, cfg.eval_seq_len))
+        if d.is_main:
+            t0 = time.perf_counter()
+            blob, method = compress(pack_tensors(quantize_state(model.state_dict(), cfg)), cfg.compressor)
+            artifact.write_bytes(blob)
+            log(f"Serialized model int6+{method}: {len(blob)} bytes export_time:{1000 * (time.perf_counter() - t0):.0f}ms")
+        if _distributed():
+            dist.barrier()
+    if not artifact.is_file():
+        raise FileNotFoundError(f"artifact {artifact} does not exist")
+    blob = artifact.read_bytes()
+    method = {v: k for k, v in COMPRESSOR_CODES.items()}.get(blob[4] if len(blob) > 4 else -1, "unknown")
+    code_bytes = len(code.encode("utf-8"))
+    total = len(blob) + code_bytes
+    log(f"code_bytes:{code_bytes}")
+    log(f"Total submission size int6+{method}: {total} bytes limit:{SIZE_LIMIT_BYTES} headroom:{SIZE_LIMIT_BYTES - total}")
+
+    eval_model = build_model(cfg, d.device, attn_backend)  # fresh model, weights only from the file
+    eval_model.load_state_dict(load_artifact(artifact, eval_model.state_dict(), cfg.num_layers))
+    log_score(log, "final_int6_roundtrip", scorer(eval_model, cfg.eval_seq_len))
+    log_score(log, "final_int6_sliding_window", scorer(eval_model, cfg.eval_stride), f" stride:{cfg.eval_stride}")
+    if total > SIZE_LIMIT_BYTES:
+        log(f"ERROR submission_over_limit total:{total} limit:{SIZE_LIMIT_BYTES} over_by:{total - SIZE_LIMIT_BYTES}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    rc = main()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(rc)
