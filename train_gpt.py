@@ -105,7 +105,7 @@ class Hyperparameters:
     muon_momentum_warmup_steps: int = 1500
     muon_backend_steps: int = 5  # Newton-Schulz iterations
     muon_wd: float = 0.04
-    muon_reduce_dtype: str = "auto"  # bank grad reduce-scatter + momentum dtype: auto = bf16 CUDA, fp32 CPU
+    muon_reduce_dtype: str = "auto"  # bank grad reduce-scatter, momentum and NS dtype: auto = bf16 CUDA, fp32 CPU
     adam_wd: float = 0.04
     beta1: float = 0.9
     beta2: float = 0.95
@@ -251,13 +251,14 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (Keller Jordan, modded-nanogpt)
 
 
-def newton_schulz(G_BMN: Tensor, steps: int, eps: float = 1e-7) -> Tensor:
-    """Approximate the orthogonal polar factor U V^T of each matrix in a batch, in bf16.
+def newton_schulz(G_BMN: Tensor, steps: int, eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Approximate the orthogonal polar factor U V^T of each matrix in a batch (bf16 as the reference;
+    fp32 for the CPU equality tests, where bf16 rounding would amplify summation-order noise).
 
     Works on the wide orientation (transposing tall matrices) after Frobenius normalisation, so the
     singular values land in roughly [0.7, 1.2] rather than exactly 1: that is Muon's design."""
     a, b, c = NS_COEFFS
-    X = G_BMN.bfloat16()
+    X = G_BMN.to(dtype)
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
@@ -269,9 +270,9 @@ def newton_schulz(G_BMN: Tensor, steps: int, eps: float = 1e-7) -> Tensor:
 
 
 def muon_update(grad: Tensor, momentum_buf: Tensor, momentum: float, ns_steps: int) -> Tensor:
-    """Nesterov momentum (in place on momentum_buf) followed by orthogonalisation. Shapes (B, M, N)."""
+    """Nesterov momentum (in place on momentum_buf) then orthogonalisation in the momentum's dtype."""
     momentum_buf.mul_(momentum).add_(grad)
-    return newton_schulz(grad.add(momentum_buf, alpha=momentum), ns_steps)
+    return newton_schulz(grad.add(momentum_buf, alpha=momentum), ns_steps, dtype=momentum_buf.dtype)
 
 
 class ParallelMuon(torch.optim.Optimizer):

@@ -1,0 +1,302 @@
+"""Turn your own text into challenge-format shards (and optionally train a tokenizer for it).
+
+    python3 data/make_shards.py --input FILE [--input FILE ...] --out DIR
+        (--tokenizer MODEL | --train-tokenizer --vocab-size V [--tokenizer-out PATH])
+        [--val-docs N] [--shard-tokens M] [--text-field text]
+
+Inputs, by extension:
+  .txt    one document per paragraph; paragraphs are separated by one or more blank (or
+          whitespace-only) lines; the lines of a paragraph are joined with "\\n".
+  .jsonl  one JSON object per line; the document is the string field --text-field (default "text").
+Empty or whitespace-only documents are skipped. Files must be UTF-8 (a leading BOM is allowed).
+
+Output, as the published data: each document is [BOS=1] + encode(doc), no EOS. The first N documents
+(--val-docs, default 1000) form the token stream of DIR/fineweb_val_000000.bin, ...; the rest form
+DIR/fineweb_train_000000.bin, ...; each stream is cut into shards of exactly M tokens (--shard-tokens,
+default 100,000,000 like the published shards) plus a shorter last one, so a document may straddle two
+shards. Stale fineweb_*.bin shards of a previous run in DIR are removed.
+
+Tokenizer training (--train-tokenizer) uses the challenge's sp1024 settings, read back from
+fineweb_1024_bpe.model's trainer spec: BPE, byte_fallback, split_digits, nmt_nfkc normalization
+(which also collapses runs of whitespace, newlines included, to one space), no dummy prefix,
+pad/bos/eos/unk = 0/1/2/3, character_coverage=0.999 (rarer characters go through byte fallback),
+hard_vocab_limit off (then we check the size ourselves). It is trained on every line of the train
+documents (never on val; SentencePiece holds them in memory, fine up to a few hundred MB of text),
+single-threaded with a fixed seed, and serialized without a path, so the same input gives a
+byte-identical model and shards. Default output: DIR/tokenizer_sp<V>.model.
+
+Every tokenizer must have a standalone "\u2581" piece (val_bpb byte counting relies on it: see
+REFERENCE.md "val_bpb, exactly"). We check and fail instead of forcing it with user_defined_symbols,
+which would split every space off as its own token and stop merges like "\u2581the".
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import itertools
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import sentencepiece as spm
+
+try:
+    from shards import write_shard
+except ImportError:  # imported as data.make_shards from the repo root
+    from data.shards import write_shard
+
+BOS_ID = 1
+MAX_VOCAB = 65536  # ids are stored as uint16
+DEFAULT_SHARD_TOKENS = 100_000_000
+SPACE_PIECE = "\u2581"
+TRAIN_SEED = 1337
+ENCODE_BATCH_DOCS = 512
+# The challenge tokenizer's trainer settings (sp1024 trainer spec), minus vocab_size.
+CHALLENGE_SPM_SETTINGS = dict(
+    model_type="bpe", byte_fallback=True, split_digits=True, normalization_rule_name="nmt_nfkc",
+    add_dummy_prefix=False, pad_id=0, bos_id=1, eos_id=2, unk_id=3, character_coverage=0.999,
+    hard_vocab_limit=False,
+)
+
+
+# ---------------------------------------------------------------- reading documents
+
+def _utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text without newline); decoding errors name the file, line and byte offset."""
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid UTF-8 at byte offset {offset + e.start} "
+                                 f"(byte 0x{raw[e.start]:02x}); convert the file to UTF-8") from None
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")
+            offset += len(raw)
+            yield lineno, line.rstrip("\r\n")
+
+
+def _txt_documents(path: Path) -> Iterator[str]:
+    para: list[str] = []
+    for _, line in _utf8_lines(path):
+        if line.strip():
+            para.append(line)
+        elif para:
+            yield "\n".join(para)
+            para = []
+    if para:
+        yield "\n".join(para)
+
+
+def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
+    for lineno, line in _utf8_lines(path):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object with a string field {text_field!r}")
+        yield obj[text_field]
+
+
+def iter_documents(paths: Iterable[str | os.PathLike], text_field: str = "text") -> Iterator[str]:
+    """All non-empty documents of the input files, in order."""
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise ValueError(f"{path}: input file not found")
+        if path.suffix == ".txt":
+            docs = _txt_documents(path)
+        elif path.suffix == ".jsonl":
+            docs = _jsonl_documents(path, text_field)
+        else:
+            raise ValueError(f"{path}: unsupported input type {path.suffix!r}; expected .txt or .jsonl")
+        yield from (d for d in docs if d.strip())
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def check_tokenizer(sp: spm.SentencePieceProcessor, where: str) -> spm.SentencePieceProcessor:
+    if sp.vocab_size() > MAX_VOCAB:
+        raise ValueError(f"{where}: vocab size {sp.vocab_size()} > {MAX_VOCAB} does not fit uint16 shards")
+    if sp.bos_id() != BOS_ID:
+        raise ValueError(f"{where}: bos_id is {sp.bos_id()}, the challenge format needs bos_id={BOS_ID}")
+    space_id = sp.piece_to_id(SPACE_PIECE)
+    if sp.id_to_piece(space_id) != SPACE_PIECE or sp.is_unknown(space_id):
+        raise ValueError(f"{where}: no standalone U+2581 piece; val_bpb byte counting needs one "
+                         "(train on text with spaces, or a larger vocab)")
+    return sp
+
+
+def load_tokenizer(model_path: str | os.PathLike) -> spm.SentencePieceProcessor:
+    try:
+        sp = spm.SentencePieceProcessor(model_file=str(model_path))
+    except (OSError, RuntimeError) as e:
+        raise ValueError(f"{model_path}: cannot load SentencePiece model ({e})") from None
+    return check_tokenizer(sp, str(model_path))
+
+
+def _training_lines(docs: Iterable[str]) -> Iterator[str]:
+    # One sentence per line: SentencePiece silently drops sentences longer than max_sentence_length,
+    # and nmt_nfkc turns newlines into spaces anyway, so lines lose nothing.
+    for doc in docs:
+        yield from (line for line in doc.split("\n") if line.strip())
+
+
+def train_tokenizer(docs: Iterable[str], vocab_size: int, model_path: str | os.PathLike) -> spm.SentencePieceProcessor:
+    """Train a challenge-style BPE tokenizer on docs and write it to model_path (deterministically)."""
+    if not 0 < vocab_size <= MAX_VOCAB:
+        raise ValueError(f"--vocab-size {vocab_size}: must be in [1, {MAX_VOCAB}] to fit uint16 shards")
+    # SentencePiece turns exceptions of the input iterator into RuntimeError; keep ours (file:line).
+    seen = {"lines": 0, "error": None}
+
+    def lines() -> Iterator[str]:
+        try:
+            for line in _training_lines(docs):
+                seen["lines"] += 1
+                yield line
+        except ValueError as e:
+            seen["error"] = e
+            raise
+
+    model = io.BytesIO()  # model_writer: no model_prefix path is stored, so the bytes do not depend on it
+    spm.set_random_generator_seed(TRAIN_SEED)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=lines(), model_writer=model, vocab_size=vocab_size,
+            num_threads=1, max_sentence_length=1 << 16, minloglevel=2, **CHALLENGE_SPM_SETTINGS)
+    except RuntimeError as e:
+        if seen["error"] is not None:
+            raise seen["error"] from None
+        if seen["lines"] == 0:
+            raise ValueError("no documents to train the tokenizer on (empty input, or all documents are val)") from None
+        raise ValueError(f"{model_path}: SentencePiece training failed: {e}") from None
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    if sp.vocab_size() != vocab_size:
+        raise ValueError(f"{model_path}: training text too small for vocab {vocab_size}: "
+                         f"only {sp.vocab_size()} pieces could be learned")
+    check_tokenizer(sp, str(model_path))
+    Path(model_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(model_path).write_bytes(model.getvalue())
+    return sp
+
+
+# ---------------------------------------------------------------- shards
+
+class ShardStream:
+    """Accumulates one split's token stream and writes it as fixed-size shards."""
+
+    def __init__(self, out_dir: Path, split: str, shard_tokens: int):
+        self.out_dir, self.split, self.shard_tokens = out_dir, split, shard_tokens
+        self.pending: list[np.ndarray] = []
+        self.pending_tokens = self.total_tokens = self.docs = 0
+        self.files: list[Path] = []
+
+    def add(self, ids_T: np.ndarray) -> None:
+        self.pending.append(ids_T)
+        self.pending_tokens += len(ids_T)
+        self.total_tokens += len(ids_T)
+        self.docs += 1
+        while self.pending_tokens >= self.shard_tokens:
+            stream = np.concatenate(self.pending)
+            self._write(stream[: self.shard_tokens])
+            self.pending, self.pending_tokens = [stream[self.shard_tokens:]], len(stream) - self.shard_tokens
+
+    def close(self) -> None:
+        if self.pending_tokens:
+            self._write(np.concatenate(self.pending))
+        self.pending, self.pending_tokens = [], 0
+
+    def _write(self, tokens: np.ndarray) -> None:
+        path = self.out_dir / f"fineweb_{self.split}_{len(self.files):06d}.bin"
+        write_shard(path, tokens)
+        self.files.append(path)
+
+
+def _check_split_args(val_docs: int, shard_tokens: int) -> None:
+    if val_docs < 1:
+        raise ValueError(f"--val-docs {val_docs}: need at least 1 validation document")
+    if shard_tokens < 1:
+        raise ValueError(f"--shard-tokens {shard_tokens}: must be positive")
+
+
+def write_shards(docs: Iterable[str], sp: spm.SentencePieceProcessor, out_dir: str | os.PathLike,
+                 val_docs: int, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> dict:
+    """Encode docs as [BOS] + ids; the first val_docs go to val shards, the rest to train shards."""
+    _check_split_args(val_docs, shard_tokens)
+    check_tokenizer(sp, "tokenizer")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    streams = {s: ShardStream(out_dir, s, shard_tokens) for s in ("val", "train")}
+    docs_iter = iter(docs)
+    index = 0
+    while batch := list(itertools.islice(docs_iter, ENCODE_BATCH_DOCS)):
+        for ids in sp.encode(batch):
+            streams["val" if index < val_docs else "train"].add(np.array([BOS_ID, *ids], dtype=np.uint16))
+            index += 1
+    if index == 0:
+        raise ValueError("no documents in the input (empty files or only blank lines?)")
+    if index <= val_docs:
+        raise ValueError(f"only {index} documents: need more than --val-docs {val_docs} to leave train data")
+    for stream in streams.values():
+        stream.close()
+    _remove_stale_shards(out_dir, [f for s in streams.values() for f in s.files])
+    return {s: dict(docs=st.docs, tokens=st.total_tokens, files=st.files) for s, st in streams.items()}
+
+
+def _remove_stale_shards(out_dir: Path, keep: list[Path]) -> None:
+    # A previous run with more shards would otherwise leave extra files that a shard glob picks up.
+    for path in out_dir.glob("fineweb_*_*.bin"):
+        if re.fullmatch(r"fineweb_(train|val)_\d{6}\.bin", path.name) and path not in keep:
+            path.unlink()
+
+
+# ---------------------------------------------------------------- CLI
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--input", action="append", required=True, help=".txt or .jsonl file (repeatable)")
+    p.add_argument("--out", required=True, help="output directory for the shards")
+    tok = p.add_mutually_exclusive_group(required=True)
+    tok.add_argument("--tokenizer", help="existing SentencePiece model (bos_id must be 1)")
+    tok.add_argument("--train-tokenizer", action="store_true", help="train a tokenizer on the train documents")
+    p.add_argument("--vocab-size", type=int, help="vocab size for --train-tokenizer")
+    p.add_argument("--tokenizer-out", help="where to write the trained model (default DIR/tokenizer_sp<V>.model)")
+    p.add_argument("--val-docs", type=int, default=1000, help="first N documents form the val split")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="max tokens per shard")
+    p.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl inputs")
+    args = p.parse_args(argv)
+    if args.train_tokenizer and args.vocab_size is None:
+        p.error("--train-tokenizer needs --vocab-size")
+    if args.tokenizer and (args.vocab_size is not None or args.tokenizer_out):
+        p.error("--vocab-size/--tokenizer-out only apply with --train-tokenizer")
+
+    docs: Callable[[], Iterator[str]] = lambda: iter_documents(args.input, args.text_field)
+    try:
+        _check_split_args(args.val_docs, args.shard_tokens)  # fail before reading any input
+        if args.train_tokenizer:
+            model_path = Path(args.tokenizer_out or Path(args.out) / f"tokenizer_sp{args.vocab_size}.model")
+            if not 0 < args.vocab_size <= MAX_VOCAB:
+                raise ValueError(f"--vocab-size {args.vocab_size}: must be in [1, {MAX_VOCAB}] to fit uint16 shards")
+            train_docs = itertools.islice(docs(), args.val_docs, None)
+            sp = train_tokenizer(train_docs, args.vocab_size, model_path)
+            print(f"tokenizer path:{model_path} vocab_size:{sp.vocab_size()}")
+        else:
+            sp = load_tokenizer(args.tokenizer)
+        out = write_shards(docs(), sp, args.out, args.val_docs, args.shard_tokens)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    for split, st in out.items():
+        print(f"shards split:{split} docs:{st['docs']} tokens:{st['tokens']} files:{len(st['files'])} dir:{args.out}")
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

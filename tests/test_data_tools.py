@@ -1,0 +1,373 @@
+"""Tests of the data tools (data/shards.py, cached_challenge_fineweb.py, make_shards.py, make_sample.py).
+
+CPU only, offline, a few seconds in all: the downloader runs against a fake repository built in
+tmp_path, tokenizers are tiny (vocab 384) and trained on synthetic text with non-ASCII and digits.
+Expected values come from independent code (struct for headers, unicodedata for normalization,
+per-document sp.encode for token streams), not from the code under test.
+"""
+
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+sys.path.insert(0, str(DATA_DIR))
+
+import cached_challenge_fineweb as ccf  # noqa: E402
+import make_shards  # noqa: E402
+import shards  # noqa: E402
+
+TINY_VOCAB = 384  # 4 specials + 256 byte pieces + the synthetic text's characters + some merges
+WORDS = ("the model reads every token of the shard and the loss goes down while training on data "
+         "with values like 2024 and 3.14 in café Zürich naïve straße 日本 ﬁle größe x1 y22").split()
+
+
+def synthetic_docs(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(rng.randint(1, 4))]
+        docs.append(rng.choice(["\n", " ", "  "]).join(s.capitalize() + "." for s in sentences))
+    return docs
+
+
+def normalized(text: str) -> str:
+    # What the challenge tokenizer preserves: NFKC, and whitespace runs collapsed to one space.
+    return " ".join(unicodedata.normalize("NFKC", text).split())
+
+
+def write_jsonl(path: Path, docs: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tok") / "tiny.model"
+    make_shards.train_tokenizer(synthetic_docs(400, seed=1), TINY_VOCAB, path)
+    return path
+
+
+def split_docs(tokens: np.ndarray) -> list[list[int]]:
+    """Token stream -> documents (each starts with BOS=1; BOS never occurs inside encoded text)."""
+    starts = list(np.flatnonzero(tokens == 1)) + [len(tokens)]
+    assert starts[0] == 0, "stream must start with BOS"
+    return [tokens[a + 1 : b].tolist() for a, b in zip(starts, starts[1:])]
+
+
+# ---------------------------------------------------------------- shards
+
+def test_shard_roundtrip_and_exact_layout(tmp_path):
+    tokens = np.array([0, 1, 2, 65535, 1024, 7], dtype=np.int64)
+    path = tmp_path / "s.bin"
+    shards.write_shard(path, tokens)
+    raw = path.read_bytes()
+    assert len(raw) == 1024 + 2 * len(tokens)
+    header = struct.unpack("<256i", raw[:1024])
+    assert header[:3] == (20240520, 1, len(tokens)) and not any(header[3:])
+    assert struct.unpack(f"<{len(tokens)}H", raw[1024:]) == tuple(tokens)
+    back = shards.read_shard(path)
+    assert back.dtype == np.uint16 and back.tolist() == tokens.tolist()
+    shards.write_shard(tmp_path / "empty.bin", [])
+    assert shards.read_shard(tmp_path / "empty.bin").size == 0
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda b: struct.pack("<i", 20240521) + b[4:], "bad magic"),
+    (lambda b: b[:4] + struct.pack("<i", 2) + b[8:], "version 2"),
+    (lambda b: b[:-1], "truncated"),
+    (lambda b: b + b"\0\0", "truncated"),
+    (lambda b: b[:1000], "shorter than"),
+])
+def test_read_shard_rejects_corrupt_files(tmp_path, corrupt, message):
+    path = tmp_path / "bad.bin"
+    shards.write_shard(path, np.arange(10))
+    path.write_bytes(corrupt(path.read_bytes()))
+    with pytest.raises(ValueError, match=message) as err:
+        shards.read_shard(path)
+    assert "bad.bin" in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [[-1], [65536], [0.5]])
+def test_write_shard_rejects_ids_outside_uint16(tmp_path, bad):
+    with pytest.raises(ValueError, match="0, 65535"):
+        shards.write_shard(tmp_path / "x.bin", bad)
+    assert not (tmp_path / "x.bin").exists()
+
+
+# ---------------------------------------------------------------- downloader
+
+def build_fake_repo(repo: Path, root: str = "datasets", train=(100, 120, 90), val=(50, 30)) -> dict:
+    """A directory laid out like the HF dataset repo: <root>/manifest.json, shards, tokenizer files."""
+    rng = np.random.default_rng(0)
+    ds = repo / root / "datasets" / "fineweb10B_sp1024"
+    ds.mkdir(parents=True)
+    for split, sizes in (("train", train), ("val", val)):
+        for i, n in enumerate(sizes):
+            shards.write_shard(ds / f"fineweb_{split}_{i:06d}.bin", rng.integers(0, 1024, n))
+    tok = repo / root / "tokenizers"
+    tok.mkdir()
+    (tok / "fineweb_1024_bpe.model").write_bytes(b"fake model bytes")
+    (tok / "fineweb_1024_bpe.vocab").write_bytes(b"fake vocab")
+    manifest = {
+        "datasets": [{"name": "fineweb10B_sp1024", "tokenizer_name": "sp_bpe_1024", "path": "datasets/fineweb10B_sp1024",
+                      "train_glob": "datasets/fineweb10B_sp1024/fineweb_train_*.bin",
+                      "val_glob": "datasets/fineweb10B_sp1024/fineweb_val_*.bin", "vocab_size": 1024, "bos_id": 1,
+                      "stats": {"files_train": len(train), "files_val": len(val),
+                                "tokens_train": sum(train), "tokens_val": sum(val)}}],
+        "tokenizers": [{"name": "sp_bpe_1024", "kind": "sentencepiece_bpe", "vocab_size": 1024,
+                        "model_path": "tokenizers/fineweb_1024_bpe.model",
+                        "vocab_path": "tokenizers/fineweb_1024_bpe.vocab"}],
+    }
+    (repo / root / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+class CountingFetch:
+    def __init__(self, repo: Path):
+        self.inner, self.calls = ccf.local_fetch(repo), []
+
+    def __call__(self, remote: str, local: Path) -> None:
+        self.calls.append(remote)
+        self.inner(remote, local)
+
+
+@pytest.fixture
+def fake_repo(tmp_path):
+    repo = tmp_path / "repo"
+    build_fake_repo(repo)
+    return repo
+
+
+def test_download_takes_train_prefix_all_val_and_tokenizer(tmp_path, fake_repo):
+    dest, fetch = tmp_path / "data", CountingFetch(fake_repo)
+    out = ccf.download("sp1024", 2, dest, fetch, "datasets")
+    local = dest / "datasets" / "fineweb10B_sp1024"
+    remote = fake_repo / "datasets" / "datasets" / "fineweb10B_sp1024"
+    assert sorted(p.name for p in local.iterdir()) == [
+        "fineweb_train_000000.bin", "fineweb_train_000001.bin", "fineweb_val_000000.bin", "fineweb_val_000001.bin"]
+    for p in local.iterdir():
+        assert p.read_bytes() == (remote / p.name).read_bytes()
+    assert (dest / "tokenizers" / "fineweb_1024_bpe.model").read_bytes() == b"fake model bytes"
+    assert (dest / "tokenizers" / "fineweb_1024_bpe.vocab").read_bytes() == b"fake vocab"
+    assert (out["train_tokens"], out["val_tokens"], out["val_shards"]) == (220, 80, 2)
+    assert not list(dest.rglob("*.part"))
+    assert "datasets/datasets/fineweb10B_sp1024/fineweb_train_000002.bin" not in fetch.calls
+
+
+def test_rerun_skips_present_files_and_refetches_bad_one(tmp_path, fake_repo):
+    dest = tmp_path / "data"
+    ccf.download("sp1024", 2, dest, CountingFetch(fake_repo), "datasets")
+    local = dest / "datasets" / "fineweb10B_sp1024"
+    mtimes = {p: p.stat().st_mtime_ns for p in local.iterdir()}
+    again = CountingFetch(fake_repo)
+    ccf.download("sp1024", 2, dest, again, "datasets")
+    assert again.calls == ["datasets/manifest.json"]  # only the manifest is fetched again
+    assert {p: p.stat().st_mtime_ns for p in local.iterdir()} == mtimes
+
+    bad = local / "fineweb_train_000001.bin"
+    bad.write_bytes(bad.read_bytes()[:-2])  # a partial file left by some other tool
+    third = CountingFetch(fake_repo)
+    ccf.download("sp1024", 3, dest, third, "datasets")
+    assert third.calls[1:] == ["datasets/datasets/fineweb10B_sp1024/fineweb_train_000001.bin",
+                               "datasets/datasets/fineweb10B_sp1024/fineweb_train_000002.bin"]
+    assert shards.read_header(bad) == 120
+
+
+def test_corrupt_remote_shard_is_rejected(tmp_path, fake_repo):
+    remote = fake_repo / "datasets" / "datasets" / "fineweb10B_sp1024" / "fineweb_val_000001.bin"
+    remote.write_bytes(remote.read_bytes()[:-1])
+    with pytest.raises(SystemExit, match="fineweb_val_000001.bin is corrupt"):
+        ccf.main(["--variant", "sp1024", "--train-shards", "1", "--dest", str(tmp_path / "d"),
+                  "--local-repo", str(fake_repo)])
+    assert not (tmp_path / "d" / "datasets" / "fineweb10B_sp1024" / "fineweb_val_000001.bin").exists()
+
+
+@pytest.mark.parametrize("change, args, message", [
+    (None, ["--variant", "sp4096"], r"no dataset named 'fineweb10B_sp4096'; available: \['fineweb10B_sp1024'\]"),
+    (None, ["--train-shards", "4"], "has only 3 train shards"),
+    (lambda e: e["stats"].update(tokens_val=81), [], "stats.tokens_val=81"),
+    (lambda e: e["stats"].pop("files_val"), [], "lacks a valid stats.files_val"),
+])
+def test_manifest_problems_are_clear_errors(tmp_path, fake_repo, change, args, message):
+    if change:
+        path = fake_repo / "datasets" / "manifest.json"
+        manifest = json.loads(path.read_text())
+        change(manifest["datasets"][0])
+        path.write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit, match=message):
+        ccf.main(["--train-shards", "1", "--dest", str(tmp_path / "d"), "--local-repo", str(fake_repo), *args])
+
+
+def test_env_overrides_repo_id_and_root_prefix(tmp_path, monkeypatch):
+    repo = tmp_path / "mirror"
+    build_fake_repo(repo, root="export_v2")
+    seen = {}
+
+    def fake_hf_fetch(repo_id):
+        seen["repo_id"] = repo_id
+        return seen.setdefault("fetch", CountingFetch(repo))
+
+    monkeypatch.setattr(ccf, "hf_fetch", fake_hf_fetch)
+    monkeypatch.setenv("MATCHED_FINEWEB_REPO_ID", "someone/mirror")
+    monkeypatch.setenv("MATCHED_FINEWEB_REMOTE_ROOT_PREFIX", "export_v2")
+    ccf.main(["--variant", "sp1024", "--train-shards", "1", "--dest", str(tmp_path / "d")])
+    assert seen["repo_id"] == "someone/mirror"
+    calls = seen["fetch"].calls
+    assert calls[0] == "export_v2/manifest.json" and all(c.startswith("export_v2/") for c in calls)
+    assert "export_v2/tokenizers/fineweb_1024_bpe.model" in calls
+    assert len(calls) == 1 + 2 + 1 + 2  # manifest, val x2, train x1, tokenizer model + vocab
+
+
+# ---------------------------------------------------------------- make_shards
+
+def test_tokenizer_has_challenge_settings(tiny_tokenizer):
+    sp = spm.SentencePieceProcessor(model_file=str(tiny_tokenizer))
+    assert sp.vocab_size() == TINY_VOCAB
+    assert (sp.pad_id(), sp.bos_id(), sp.eos_id(), sp.unk_id()) == (0, 1, 2, 3)
+    assert sp.id_to_piece(4) == "<0x00>" and sp.id_to_piece(259) == "<0xFF>"  # byte fallback
+    assert sp.id_to_piece(sp.piece_to_id("\u2581")) == "\u2581"  # standalone space piece
+    assert sp.encode("20243142", out_type=str) == list("20243142")  # split_digits (all seen in training)
+    assert not sp.encode("the", out_type=str)[0].startswith("\u2581")  # no dummy prefix
+    assert sp.decode(sp.encode("ﬁle")) == "file"  # nmt_nfkc
+    assert sp.decode(sp.encode("Ω€")) == "Ω€"  # unseen characters survive through byte fallback
+
+
+def test_documents_bos_split_and_roundtrip(tmp_path, tiny_tokenizer):
+    docs = synthetic_docs(30, seed=2)
+    out = tmp_path / "out"
+    make_shards.main(["--input", str(write_jsonl(tmp_path / "in.jsonl", docs)), "--out", str(out),
+                      "--tokenizer", str(tiny_tokenizer), "--val-docs", "5"])
+    assert sorted(p.name for p in out.iterdir()) == ["fineweb_train_000000.bin", "fineweb_val_000000.bin"]
+    val = split_docs(shards.read_shard(out / "fineweb_val_000000.bin"))
+    train = split_docs(shards.read_shard(out / "fineweb_train_000000.bin"))
+    assert (len(val), len(train)) == (5, 25)
+    sp = spm.SentencePieceProcessor(model_file=str(tiny_tokenizer))
+    for doc, ids in zip(docs, val + train):
+        assert sp.decode(ids) == normalized(doc)
+    assert any("file" in normalized(d) for d in docs)  # the ligature case was exercised
+
+
+def test_shard_size_cap_and_stream_order(tmp_path, tiny_tokenizer):
+    docs = synthetic_docs(40, seed=3)
+    out = tmp_path / "out"
+    stats = make_shards.main(["--input", str(write_jsonl(tmp_path / "in.jsonl", docs)), "--out", str(out),
+                              "--tokenizer", str(tiny_tokenizer), "--val-docs", "4", "--shard-tokens", "64"])
+    sp = spm.SentencePieceProcessor(model_file=str(tiny_tokenizer))
+    for split, split_docs_ in (("val", docs[:4]), ("train", docs[4:])):
+        files = sorted(out.glob(f"fineweb_{split}_*.bin"))
+        sizes = [shards.read_header(f) for f in files]
+        assert len(files) > 1 and all(s == 64 for s in sizes[:-1]) and 0 < sizes[-1] <= 64
+        expected = [t for d in split_docs_ for t in [1, *sp.encode(d)]]
+        assert np.concatenate([shards.read_shard(f) for f in files]).tolist() == expected
+        assert stats[split]["tokens"] == len(expected) and stats[split]["docs"] == len(split_docs_)
+
+
+def test_txt_paragraphs_crlf_bom_and_stale_shards(tmp_path, tiny_tokenizer):
+    text = "\ufeffFirst doc line one\r\nline two 2024\r\n\r\n \t \n\n\nSecond café doc\n\nThird\n"
+    src = tmp_path / "in.txt"
+    src.write_bytes(text.encode("utf-8"))
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = out / "fineweb_train_000007.bin"
+    shards.write_shard(stale, [1, 2, 3])
+    make_shards.main(["--input", str(src), "--out", str(out), "--tokenizer", str(tiny_tokenizer), "--val-docs", "1"])
+    sp = spm.SentencePieceProcessor(model_file=str(tiny_tokenizer))
+    docs = [sp.decode(d) for d in split_docs(np.concatenate(
+        [shards.read_shard(out / "fineweb_val_000000.bin"), shards.read_shard(out / "fineweb_train_000000.bin")]))]
+    assert docs == ["First doc line one line two 2024", "Second café doc", "Third"]
+    assert not stale.exists()
+
+
+def test_training_is_deterministic(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", synthetic_docs(300, seed=4))
+    outputs = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        make_shards.main(["--input", str(src), "--out", str(out), "--train-tokenizer", "--vocab-size", str(TINY_VOCAB),
+                          "--val-docs", "10", "--shard-tokens", "2000"])
+        outputs.append({p.name: p.read_bytes() for p in sorted(out.iterdir())})
+    assert outputs[0] == outputs[1]
+    assert "tokenizer_sp384.model" in outputs[0] and len(outputs[0]) >= 4
+
+
+def _bos2_tokenizer(tmp_path) -> Path:
+    path = tmp_path / "bos2.model"
+    with open(path, "wb") as f:
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(synthetic_docs(200)), model_writer=f, vocab_size=TINY_VOCAB,
+                                       model_type="bpe", byte_fallback=True, pad_id=0, bos_id=2, eos_id=1, unk_id=3,
+                                       minloglevel=2)
+    return path
+
+
+@pytest.mark.parametrize("content, extra, message", [
+    ("\n\n  \n", [], "no documents in the input"),
+    ("\n\n", ["--train-tokenizer", "--vocab-size", "384"], "no documents to train the tokenizer"),
+    (b"ok line\n\xe9t\xe9\n", [], r"in\.txt:2: invalid UTF-8 at byte offset 8 \(byte 0xe9\)"),
+    (b"ok line\n\xe9t\xe9\n", ["--train-tokenizer", "--vocab-size", "384"], r"in\.txt:2: invalid UTF-8 at byte offset 8"),
+    ("One doc only.", [], "only 1 documents: need more than --val-docs 1"),
+    ("a\n\nb", ["--train-tokenizer", "--vocab-size", "70000"], "--vocab-size 70000: must be in .1, 65536."),
+    ("a\n\nb", ["--train-tokenizer", "--vocab-size", "384", "--val-docs", "0"], "--val-docs 0: need at least 1"),
+])
+def test_make_shards_errors_txt(tmp_path, tiny_tokenizer, content, extra, message):
+    src = tmp_path / "in.txt"
+    src.write_bytes(content if isinstance(content, bytes) else content.encode())
+    args = ["--input", str(src), "--out", str(tmp_path / "out"), "--val-docs", "1"]
+    with pytest.raises(SystemExit, match=message):
+        make_shards.main(args + (extra or ["--tokenizer", str(tiny_tokenizer)]))
+
+
+@pytest.mark.parametrize("lines, message", [
+    ('{"text": "a"}\n{"text": "b"}\n{"text": "c"\n', r"in\.jsonl:3: malformed JSON"),
+    ('{"text": "a"}\n\n{"body": "b"}\n', r"in\.jsonl:3: expected a JSON object with a string field 'text'"),
+    ('["a"]\n', r"in\.jsonl:1: expected a JSON object"),
+])
+def test_make_shards_errors_jsonl(tmp_path, tiny_tokenizer, lines, message):
+    src = tmp_path / "in.jsonl"
+    src.write_text(lines)
+    with pytest.raises(SystemExit, match=message):
+        make_shards.main(["--input", str(src), "--out", str(tmp_path / "out"), "--tokenizer", str(tiny_tokenizer)])
+
+
+def test_make_shards_rejects_bad_tokenizer_and_input_type(tmp_path, tiny_tokenizer):
+    docs = write_jsonl(tmp_path / "in.jsonl", synthetic_docs(5))
+    with pytest.raises(SystemExit, match=r"bos2\.model: bos_id is 2"):
+        make_shards.main(["--input", str(docs), "--out", str(tmp_path / "o"), "--tokenizer", str(_bos2_tokenizer(tmp_path))])
+    (tmp_path / "in.csv").write_text("a,b\n")
+    with pytest.raises(SystemExit, match=r"in\.csv: unsupported input type '\.csv'"):
+        make_shards.main(["--input", str(tmp_path / "in.csv"), "--out", str(tmp_path / "o"), "--tokenizer", str(tiny_tokenizer)])
+    with pytest.raises(SystemExit, match="cannot load SentencePiece model"):
+        make_shards.main(["--input", str(docs), "--out", str(tmp_path / "o"), "--tokenizer", str(docs)])
+
+
+# ---------------------------------------------------------------- make_sample
+
+def test_make_sample_builds_readable_deterministic_shards(tmp_path):
+    trees = []
+    for run in ("a", "b"):  # fresh interpreters: the sample must not depend on what the caller imported
+        out = tmp_path / run
+        proc = subprocess.run([sys.executable, str(DATA_DIR / "make_sample.py"), "--out", str(out), "--vocab-size", "512"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        trees.append({p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()})
+    assert trees[0] == trees[1]
+    data, model = out / "datasets" / "sample_sp512", out / "tokenizers" / "sample_512_bpe.model"
+    assert {p.name for p in data.iterdir()} == {"fineweb_train_000000.bin", "fineweb_val_000000.bin"}
+    val, train = shards.read_shard(data / "fineweb_val_000000.bin"), shards.read_shard(data / "fineweb_train_000000.bin")
+    assert val.size > 5_000 and train.size > 100_000 and val[0] == 1 and train[0] == 1
+    sp = make_shards.load_tokenizer(model)
+    assert sp.vocab_size() == 512 and int(train.max()) < 512
+    n_val, n_train = int((val == 1).sum()), int((train == 1).sum())
+    assert 0.03 < n_val / (n_val + n_train) < 0.07  # ~5% of documents are val
+    assert f"split:val docs:{n_val} tokens:{val.size}" in proc.stdout
+    text = sp.decode(train[:20_000].tolist())
+    assert text.count(" the ") > 20 and "Return" in text  # real English docstrings, not byte soup
