@@ -39,6 +39,7 @@ from torch import Tensor, nn
 DROPPED_SETTINGS = {"SWA_ENABLED", "SWA_EVERY", "DTG_ENABLED", "LATE_QAT", "QAT_ENABLED",
                     "GATED_ATTENTION", "VALUE_RESIDUAL"}  # + LAWA_*, MTP_*: the reference's dead ends
 DROPPED_PREFIXES = ("LAWA_", "MTP_")
+PENDING_PREFIX = "TTT_"  # legal test-time training is not implemented yet: TTT_ENABLED=1 is an error
 # Environment variables of launchers and libraries that share a word with our fields.
 FOREIGN_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP_", "MASTER_", "LOCAL_", "GROUP_", "ROLE_",
                     "TRITON", "PYTHON", "HF_", "MKL", "KMP_", "GLOO", "NVIDIA", "CUBLAS", "CUDNN")
@@ -134,6 +135,10 @@ class Hyperparameters:
             if key in by_env:
                 f = by_env[key]
                 values[f.name] = _parse_value(key, raw, f.type, CHOICES.get(f.name))
+            elif key.startswith(PENDING_PREFIX):
+                if key == "TTT_ENABLED" and raw.strip().lower() not in ("0", "false"):
+                    raise ValueError("TTT_ENABLED: legal test-time training is not implemented in this script yet")
+                warnings.append(f"setting {key} is ignored: test-time training is not implemented yet")
             elif key in DROPPED_SETTINGS or key.startswith(DROPPED_PREFIXES):
                 warnings.append(f"setting {key} is not supported by this script and is ignored")
             elif _looks_like_ours(key, by_env):
@@ -154,7 +159,10 @@ class Hyperparameters:
         need(self.rope_dims % 2 == 0 and 0 <= self.rope_dims <= self.head_dim, "ROPE_DIMS: even, <= head dim")
         need(self.train_seq_len > 0 and self.train_batch_tokens > 0, "TRAIN_SEQ_LEN, TRAIN_BATCH_TOKENS > 0")
         need(0 < self.eval_stride <= self.eval_seq_len, "EVAL_STRIDE must be in 1..EVAL_SEQ_LEN")
+        need(all(s.strip().isdigit() for s in self.ve_layers.split(",") if s.strip()),
+             f"malformed value for VE_LAYERS: {self.ve_layers!r} (expected comma-separated layer indices)")
         need(all(0 <= i < self.num_layers for i in self.ve_layer_list), "VE_LAYERS outside 0..NUM_LAYERS-1")
+        need(self.grad_accum_steps >= 0, "GRAD_ACCUM_STEPS must be >= 0 (0 = auto)")
         need(self.iterations >= 0 and self.warmup_steps >= 0, "ITERATIONS, WARMUP_STEPS >= 0")
         need(0.0 <= self.ema_decay < 1.0, "EMA_DECAY must be in [0, 1)")
 
@@ -289,6 +297,11 @@ class ParallelMuon(torch.optim.Optimizer):
         self.comm_dtype, self.world_size = comm_dtype, world_size
         self.banks = sorted(banks, key=lambda p: -p.numel())  # biggest reduce-scatter first
         self.pending: list[tuple[Tensor, Tensor, object]] = []  # (bank, grad shard, async work)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # torch casts state to the (fp32) bank dtype: undo that
+        for st in self.state.values():
+            st["momentum"] = st["momentum"].to(self.comm_dtype)
 
     def shard_rows(self, p: Tensor) -> int:
         return -(-p.shape[0] // self.world_size)  # bank dim padded to a multiple of world size
@@ -936,9 +949,10 @@ def quantize_rows(w: Tensor, qmax: int, quantiles: tuple[float, ...], floor: flo
 
 def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters) -> dict[str, Tensor]:
     out = {}
+    bank_names = {f"blocks.{i}.{n}" for _, _, n in BANK_SLOTS for i in range(cfg.num_layers)}
     for name, t in unbank(state, cfg.num_layers).items():
         t = t.detach().float().cpu()
-        if name.startswith("blocks.") and t.ndim == 2:  # a bank matrix
+        if name in bank_names:
             out[name + ".q6"], out[name + ".scale"] = quantize_rows(t, 31, CLIP_QUANTILES, cfg.int6_scale_floor)
         elif t.numel() > KEEP_FLOAT_MAX_NUMEL and t.ndim == 2:  # token / bigram / value-embedding tables
             out[name + ".q8"], out[name + ".scale"] = quantize_rows(t, 127, (INT8_CLIP_QUANTILE,), 1 / 127)
@@ -1033,8 +1047,13 @@ def decompress(blob: bytes) -> bytes:
         if blob[4] == COMPRESSOR_CODES["zstd"]:
             if _zstd() is None:
                 raise RuntimeError("artifact is zstd-compressed but the zstandard package is not installed")
-            return _zstd().ZstdDecompressor().decompress(blob[5:])
-        return lzma.decompress(blob[5:], format=lzma.FORMAT_XZ)
+            dec = _zstd().ZstdDecompressor().decompressobj()
+        else:
+            dec = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+        out = dec.decompress(blob[5:])
+        if not dec.eof or dec.unused_data:  # one-shot APIs silently accept truncation / trailing junk
+            raise ValueError("artifact is corrupt or truncated: stream incomplete or followed by extra bytes")
+        return out
     except (lzma.LZMAError, EOFError) as e:
         raise ValueError(f"artifact is corrupt or truncated: {e}") from None
     except Exception as e:
@@ -1164,7 +1183,8 @@ class Trainer:
                 log(f"step:{step}/{cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} "
                     f"train_time:{train_ms:.0f}ms step_avg:{train_ms / step:.2f}ms")
                 t0 = _now(d.device)
-            elapsed = train_ms + _now(d.device) - t0 if cap_ms > 0 else 0.0
+            t_iter = _now(d.device) if cap_ms > 0 else 0.0  # the whole iteration counts, val excluded
+            elapsed = train_ms + t_iter - t0 if cap_ms > 0 else 0.0
             if cap_ms > 0:  # a step starts only if its predicted end fits; all ranks agree
                 predicted = all_reduce_max(elapsed + (max(recent_ms[-10:]) if recent_ms else 0.0), d.device)
                 if predicted > cap_ms:
@@ -1174,13 +1194,10 @@ class Trainer:
             if cfg.late_qat_threshold > 0 and lr_scale < cfg.late_qat_threshold and not self.model.qat_enabled:
                 self.model.qat_enabled = True
                 log(f"late_qat:enabled step:{step} lr_scale:{lr_scale:.4f}")
-            t_step = _now(d.device) if cap_ms > 0 else 0.0
             loss = self.step(step, lr_scale)
             if ema is not None:
                 ema.update()
             step += 1
-            if cap_ms > 0:
-                recent_ms.append(_now(d.device) - t_step)
             first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad)
             if cfg.train_log_every > 0 and (step <= 10 or step % cfg.train_log_every == 0):
                 self.check_finite(first_bad)
@@ -1188,14 +1205,17 @@ class Trainer:
                 now = train_ms + _now(d.device) - t0
                 log(f"step:{step}/{cfg.iterations} train_loss:{mean:.4f} train_time:{now:.0f}ms "
                     f"step_avg:{now / step:.2f}ms")
+            if cap_ms > 0:
+                recent_ms.append(_now(d.device) - t_iter)
         train_ms += _now(d.device) - t0
         self.check_finite(first_bad)
         return step, train_ms
 
     def check_finite(self, first_bad: Tensor) -> None:
-        bad = int(all_reduce_max(float(first_bad.item()), self.d.device))
-        if bad >= 0:
-            raise FloatingPointError(f"non-finite training loss at step {bad}")
+        local = float(first_bad.item())
+        bad = -all_reduce_max(-local if local >= 0 else -math.inf, self.d.device)  # earliest over ranks
+        if bad < math.inf:
+            raise FloatingPointError(f"non-finite training loss at step {int(bad)}")
 
 
 def log_header(log: Logger, cfg: Hyperparameters, d: Dist, warnings: list[str], code: str) -> None:
