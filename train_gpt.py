@@ -70,18 +70,18 @@ class Hyperparameters:
     warmdown_iters: int = 3500  # linear lr decay length, converted to wallclock when capped
     max_wallclock_seconds: float = 600.0  # training cap (0 = iteration-based); never exceeded
     train_batch_tokens: int = 786432  # global tokens per optimizer step
-    train_seq_len: int = 2048
+    train_seq_len: int = 2048  # training sequence length (tokens)
     grad_accum_steps: int = 0  # 0 = max(1, 8 // WORLD_SIZE): same global batch for 1..8 GPUs
     compile_enabled: str = "auto"  # torch.compile: auto = on for CUDA, off for CPU
     # --- model
-    num_layers: int = 11
-    model_dim: int = 512
-    num_heads: int = 8
+    num_layers: int = 11  # transformer blocks
+    model_dim: int = 512  # residual width
+    num_heads: int = 8  # query heads (head dim = MODEL_DIM / NUM_HEADS)
     num_kv_heads: int = 4  # GQA
-    mlp_mult: float = 3.0
+    mlp_mult: float = 3.0  # MLP hidden = MLP_MULT * MODEL_DIM
     mlp_negative_slope: float = 0.5  # LeakyReLU(slope)^2 MLP; 0 = relu^2
-    tie_embeddings: bool = True
-    tied_embed_init_std: float = 0.005
+    tie_embeddings: bool = True  # output head = token embedding
+    tied_embed_init_std: float = 0.005  # token embedding init std
     rope_base: float = 10000.0  # explicit: no silent length rescaling (the reference's ran at ~22,082)
     rope_dims: int = 16  # partial RoPE: rotate the first ROPE_DIMS of each head
     logit_softcap: float = 30.0  # tanh softcap on logits (0 = off)
@@ -89,10 +89,10 @@ class Hyperparameters:
     ln_scale: bool = True  # scale block inputs by 1/sqrt(layer+1)
     xsa_last_n: int = 4  # exclusive self-attention on the last N layers
     bigram_vocab_size: int = 1536  # BigramHash buckets (0 = off)
-    bigram_dim: int = 128
+    bigram_dim: int = 128  # BigramHash table width (projected to MODEL_DIM)
     smear_enabled: bool = True  # SmearGate on the embedding
     ve_enabled: bool = True  # shared value embedding added to V
-    ve_dim: int = 128
+    ve_dim: int = 128  # value-embedding table width (projected to the KV width)
     ve_layers: str = "9,10"  # comma-separated layer indices
     attn_backend: str = "auto"  # auto = fa3 if importable, else SDPA flash (CUDA) / math (CPU)
     # --- optimizer
@@ -101,27 +101,27 @@ class Hyperparameters:
     tied_embed_lr: float = 0.035  # AdamW lr for token/bigram/value-embedding tables (tied head)
     embed_lr: float = 0.6  # table lr when embeddings are untied
     head_lr: float = 0.008  # untied lm_head lr
-    muon_momentum: float = 0.99
-    muon_momentum_warmup_start: float = 0.92
-    muon_momentum_warmup_steps: int = 1500
+    muon_momentum: float = 0.99  # Muon Nesterov momentum after warmup
+    muon_momentum_warmup_start: float = 0.92  # Muon momentum at step 0
+    muon_momentum_warmup_steps: int = 1500  # linear momentum warmup length
     muon_backend_steps: int = 5  # Newton-Schulz iterations
-    muon_wd: float = 0.04
+    muon_wd: float = 0.04  # decoupled weight decay on the banks
     muon_reduce_dtype: str = "auto"  # bank grad reduce-scatter, momentum and NS dtype: auto = bf16 CUDA, fp32 CPU
-    adam_wd: float = 0.04
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
+    adam_wd: float = 0.04  # AdamW weight decay (tables, scalars; not the untied head)
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    adam_eps: float = 1e-8  # AdamW epsilon
     grad_clip_norm: float = 0.3  # clip by the global norm of the reduced gradient (0 = off)
     # --- averaging / QAT
-    ema_enabled: bool = True
-    ema_decay: float = 0.997
+    ema_enabled: bool = True  # keep an EMA of all weights and export it
+    ema_decay: float = 0.997  # EMA decay per step
     late_qat_threshold: float = 0.15  # fake-quantize banks to int6 once lr scale < this (0 = off)
     # --- eval / logging / export
     eval_seq_len: int = 2048  # sliding-window scoring window
     eval_stride: int = 64  # tokens scored per window (after the first)
     val_loss_every: int = 4000  # plain val scoring every N steps (0 = only at the end)
     val_batch_size: int = 524288  # scoring tokens per forward over all ranks x grad-accum slots
-    train_log_every: int = 500
+    train_log_every: int = 500  # train_loss line every N steps (and the first 10)
     compressor: str = "auto"  # zstd | lzma | auto (the smaller)
     int6_scale_floor: float = 1 / 31  # floor on int6 row scales: coarsens tiny rows, compresses better
 

@@ -201,7 +201,7 @@ def parse_log(path: Path) -> RunLog:
         event = line.split(" ", 1)[0]
         if m := re.fullmatch(r"setting (\w+):(.*)", line):
             run.settings[m[1]] = m[2]
-        elif m := re.fullmatch(r"Total submission size int6\+(\w+): (\d+) bytes", line):
+        elif m := re.fullmatch(r"Total submission size int6\+(\w+): (\d+) bytes( .*)?", line):
             run.compressor, run.total_bytes = m[1], int(m[2])
         elif m := re.fullmatch(r"Serialized model int6\+\w+: (\d+) bytes.*", line):
             run.model_bytes = int(m[1])

@@ -276,3 +276,25 @@ def test_refuses_unfinished_ttt_and_mismatched_code_bytes(tmp_path, capsys):
     assert run_cli(tmp_path, [log]) == 1
     err = capsys.readouterr().err
     assert "no legal_ttt_exact line" in err and "code_bytes says 12" in err
+
+
+def test_packages_a_real_tiny_cpu_run(tmp_path, dataset, tokenizer_path):
+    """The tool against logs that train_gpt.py really wrote: two seeds of a tiny CPU run."""
+    from conftest import run_script, tiny_env
+    logs = []
+    for seed in (1, 2):
+        res = run_script(tiny_env(dataset, tokenizer_path, SEED=seed, RUN_ID=f"real{seed}", ITERATIONS=4,
+                                  EVAL_STRIDE=32), tmp_path)
+        assert res.returncode == 0, res.stderr[-2000:]
+        logs.append(tmp_path / "logs" / f"real{seed}.txt")
+    assert run_cli(tmp_path, logs) == 0
+    out = record_dir(tmp_path)
+    sub = json.loads((out / "submission.json").read_text())
+    finals = []
+    for log in logs:
+        line = next(x for x in log.read_text().splitlines() if x.startswith("final_int6_sliding_window_exact "))
+        finals.append(float(line.split("val_bpb:")[1].split()[0]))
+        total = next(x for x in log.read_text().splitlines() if x.startswith("Total submission size"))
+        assert int(total.split(": ")[1].split()[0]) <= sub["bytes_total"]
+    assert sub["val_bpb"] == pytest.approx(sum(finals) / 2, abs=1e-8)
+    assert (out / "train_gpt.py").read_bytes() == (Path(__file__).resolve().parents[1] / "train_gpt.py").read_bytes()
