@@ -1291,7 +1291,8 @@ def main() -> int:
                 f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
         s = scorer(model, cfg.eval_seq_len)
         log(f"step:{steps}/{cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} "
-            f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms")
+            f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms "
+            f"eval_time:{s.time_ms:.0f}ms eval_compile_time:{s.compile_ms:.0f}ms")
         if ema is not None:
             ema.copy_to_model()
             log_score(log, "post_ema", scorer(model, cfg.eval_seq_len))

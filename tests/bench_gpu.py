@@ -1,0 +1,139 @@
+"""GPU training-step benchmark for any config (settings are train_gpt.py's environment variables).
+
+    python3 tests/bench_gpu.py [--steps 20] [--profile]                  (one GPU)
+    torchrun --standalone --nproc_per_node=N tests/bench_gpu.py ...      (N GPUs)
+
+Runs the script's own warmup (compile, then full restore), then N timed steps with the real data
+loader, optimizer and EMA, and prints (rank 0): ms/step, tokens/s, achieved TFLOP/s and % of the
+bf16 floor, peak memory, compile time, and a per-step breakdown from CUDA events: data (host
+batch assembly + H2D), forward+backward, optimizer (with its communication), EMA. --profile adds a
+torch.profiler table of the top CUDA kernels over 3 more steps. Not a test: pytest does not collect it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_gpt as tg  # noqa: E402
+
+BF16_PEAK_TFLOPS = 790.0  # measured dense bf16 matmul rate of one H200 (REFERENCE.md)
+
+
+def step_flops(cfg: tg.Hyperparameters, model: torch.nn.Module) -> float:
+    """Training FLOPs per optimizer step: 6 x matmul params x tokens, plus causal attention
+    (QK^T and PV: 2 x 2 x T x T x d per layer per sequence, halved by causality, x3 fwd+bwd)."""
+    matmul = sum(p.numel() for n, p in model.named_parameters() if n.endswith("_bank") or n.endswith("proj.weight"))
+    matmul += cfg.vocab_size * cfg.model_dim  # output head
+    tokens = cfg.train_batch_tokens
+    attn = 3 * 2 * cfg.train_seq_len * cfg.model_dim * tokens * cfg.num_layers
+    return 6.0 * matmul * tokens + attn
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--qat-check", action="store_true", help="compiled loss with late QAT off vs on, same batch")
+    args = ap.parse_args()
+    cfg, _ = tg.Hyperparameters.from_env()
+    d = tg.init_distributed(cfg)
+    if d.device.type != "cuda":
+        raise SystemExit("bench_gpu.py needs CUDA")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    attn = tg.resolve_attn_backend(cfg, d.device)
+    tg.configure_sdpa(attn)
+    accum = tg.resolve_grad_accum(cfg, d.world_size)
+    model = tg.build_model(cfg, d.device, attn)
+    loader = tg.TrainLoader(tg.shard_files(cfg.data_path, "train"), cfg, d, accum)
+    compile_enabled = cfg.compile_enabled != "0"
+    trainer = tg.Trainer(cfg, d, model, loader, tg.Logger(cfg.run_id, False), accum, compile_enabled)
+    t0 = time.perf_counter()
+    trainer.warmup()
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0
+    ema = tg.EMA(model, cfg.ema_decay) if cfg.ema_enabled else None
+    if args.qat_check:  # both variants were compiled in warmup: the switch must not recompile
+        x, y = loader.next_batch()[0]
+        losses = []
+        with torch.no_grad(), tg.autocast(d.device):
+            for qat in (False, True, False):
+                model.qat_enabled = qat
+                t = time.perf_counter()
+                losses.append((trainer.fwd(x, y).item(), 1000 * (time.perf_counter() - t)))
+        model.qat_enabled = False
+        if d.is_main:
+            print("qat_check " + " ".join(f"{name}_loss:{l:.6f} {name}_ms:{ms:.1f}" for name, (l, ms)
+                                          in zip(("off", "on", "off_again"), losses)))
+    torch.cuda.reset_peak_memory_stats()
+
+    def one_step(step: int, ev: list | None):
+        host = time.perf_counter()
+        if ev:
+            ev[0].record()
+        trainer.opt.set_schedule(1.0, tg.muon_momentum_at(cfg, step))
+        batches = loader.next_batch()
+        host = time.perf_counter() - host
+        if ev:
+            ev[1].record()
+        for x, y in batches:
+            with tg.autocast(d.device):
+                loss = trainer.fwd(x, y)
+            (loss / accum).backward()
+        if ev:
+            ev[2].record()
+        trainer.opt.step()
+        trainer.opt.zero_grad()
+        if ev:
+            ev[3].record()
+        if ema is not None:
+            ema.update()
+        if ev:
+            ev[4].record()
+        return host
+
+    times = {k: 0.0 for k in ("data", "fwd_bwd", "optimizer", "ema")}
+    host_data = 0.0
+    events = [[torch.cuda.Event(enable_timing=True) for _ in range(5)] for _ in range(args.steps)]
+    torch.cuda.synchronize()
+    if tg._distributed():
+        torch.distributed.barrier()
+    start = time.perf_counter()
+    for i in range(args.steps):
+        host_data += one_step(i, events[i])
+    torch.cuda.synchronize()
+    wall_ms = 1000 * (time.perf_counter() - start) / args.steps
+    for ev in events:
+        for k, (a, b) in zip(times, ((0, 1), (1, 2), (2, 3), (3, 4))):
+            times[k] += ev[a].elapsed_time(ev[b]) / args.steps
+    flops = step_flops(cfg, model) / d.world_size
+    if d.is_main:
+        tps = cfg.train_batch_tokens / (wall_ms / 1000)
+        tflops = flops / (wall_ms / 1000) / 1e12
+        print(f"bench world_size:{d.world_size} grad_accum:{accum} attn_backend:{attn} compile:{int(compile_enabled)} "
+              f"batch_tokens:{cfg.train_batch_tokens} micro_batch_tokens:{cfg.train_batch_tokens // (d.world_size * accum)}")
+        print(f"bench ms_per_step:{wall_ms:.2f} tokens_per_s:{tps:,.0f} tflops_per_gpu:{tflops:.1f} "
+              f"pct_of_bf16_floor:{100 * tflops / BF16_PEAK_TFLOPS:.1f} floor_ms:{flops / BF16_PEAK_TFLOPS / 1e9:.1f} "
+              f"compile_s:{compile_s:.1f} peak_mem_mib:{torch.cuda.max_memory_allocated() // 2**20}")
+        print("bench breakdown_ms " + " ".join(f"{k}:{v:.2f}" for k, v in times.items())
+              + f" host_data_ms:{1000 * host_data / args.steps:.2f}")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(3):
+                one_step(i, None)
+            torch.cuda.synchronize()
+        if d.is_main:
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=int(os.environ.get("PROFILE_ROWS", 30)),
+                                            max_name_column_width=70))
+    if tg._distributed():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
