@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--qat-check", action="store_true", help="compiled loss with late QAT off vs on, same batch")
+    ap.add_argument("--compile-muon", action="store_true", help="experiment: torch.compile the Muon update")
     args = ap.parse_args()
     cfg, _ = tg.Hyperparameters.from_env()
     d = tg.init_distributed(cfg)
@@ -49,6 +50,8 @@ def main() -> None:
     attn = tg.resolve_attn_backend(cfg, d.device)
     tg.configure_sdpa(attn)
     accum = tg.resolve_grad_accum(cfg, d.world_size)
+    if args.compile_muon:
+        tg.muon_update = torch.compile(tg.muon_update, dynamic=False)
     model = tg.build_model(cfg, d.device, attn)
     loader = tg.TrainLoader(tg.shard_files(cfg.data_path, "train"), cfg, d, accum)
     compile_enabled = cfg.compile_enabled != "0"
@@ -58,18 +61,6 @@ def main() -> None:
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
     ema = tg.EMA(model, cfg.ema_decay) if cfg.ema_enabled else None
-    if args.qat_check:  # both variants were compiled in warmup: the switch must not recompile
-        x, y = loader.next_batch()[0]
-        losses = []
-        with torch.no_grad(), tg.autocast(d.device):
-            for qat in (False, True, False):
-                model.qat_enabled = qat
-                t = time.perf_counter()
-                losses.append((trainer.fwd(x, y).item(), 1000 * (time.perf_counter() - t)))
-        model.qat_enabled = False
-        if d.is_main:
-            print("qat_check " + " ".join(f"{name}_loss:{l:.6f} {name}_ms:{ms:.1f}" for name, (l, ms)
-                                          in zip(("off", "on", "off_again"), losses)))
     torch.cuda.reset_peak_memory_stats()
 
     def one_step(step: int, ev: list | None):
@@ -122,6 +113,18 @@ def main() -> None:
               f"compile_s:{compile_s:.1f} peak_mem_mib:{torch.cuda.max_memory_allocated() // 2**20}")
         print("bench breakdown_ms " + " ".join(f"{k}:{v:.2f}" for k, v in times.items())
               + f" host_data_ms:{1000 * host_data / args.steps:.2f}")
+    if args.qat_check:  # after the timed steps, so out/down banks are non-zero and QAT can matter
+        x, y = loader.next_batch()[0]
+        losses = []
+        with tg.autocast(d.device):  # grad mode on, as in training: the variants warmup compiled
+            for qat in (False, True, False):
+                model.qat_enabled = qat
+                t = time.perf_counter()
+                losses.append((trainer.fwd(x, y).item(), 1000 * (time.perf_counter() - t)))
+        model.qat_enabled = False
+        if d.is_main:
+            print("qat_check " + " ".join(f"{name}_loss:{l:.6f} {name}_ms:{ms:.1f}" for name, (l, ms)
+                                          in zip(("off", "on", "off_again"), losses)))
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -109,6 +109,7 @@ def _spawn_entry(rank, world_size, port, fn, args, results):
     try:
         results[rank] = fn(rank, world_size, *args)
     finally:
+        dist.barrier()  # tearing gloo down while a peer is still talking can abort the process
         dist.destroy_process_group()
 
 
