@@ -245,11 +245,12 @@ def sq_norm(tensors: list[Tensor]) -> Tensor:
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
 
 
-def all_reduce_max(x: float, device: torch.device) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device=device)
+def all_reduce_max(x: float | list[float], device: torch.device):
+    """Max over ranks of a float (or of each float in a list), on the host."""
+    t = torch.tensor(x if isinstance(x, list) else [x], dtype=torch.float64, device=device)
     if _distributed():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return t.tolist() if isinstance(x, list) else float(t.item())
 
 
 # torch >= 2.13 renames the tensor collectives; 2.11 (the GPU machine) has only the old names.
@@ -680,7 +681,7 @@ class GPT(nn.Module):
 
     def bank_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         banks = (self.qo_bank, self.kv_bank, self.mlp_up_bank, self.mlp_down_bank)
-        if self.qat_enabled:
+        if self.qat_enabled and self.training:  # scoring always sees the float weights
             banks = tuple(fake_quant_int6(b, self.cfg.int6_scale_floor) for b in banks)
         return tuple(b.to(dtype) for b in banks)
 
@@ -1153,6 +1154,8 @@ class Trainer:
         cfg = self.cfg
         if cfg.warmup_steps <= 0:
             return
+        if cfg.late_qat_threshold > 0 and cfg.warmup_steps < 2:
+            self.log("warning WARMUP_STEPS < 2: the late-QAT variant will compile inside the timed window")
         saved = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict()),
                  self.loader.stream.state_dict())
         for i in range(cfg.warmup_steps):
@@ -1172,20 +1175,27 @@ class Trainer:
     def train(self, scorer: Scorer, ema: EMA | None) -> tuple[int, float]:
         cfg, d, log = self.cfg, self.d, self.log
         cap_ms = 1000.0 * cfg.max_wallclock_seconds
-        recent_ms: list[float] = []
+        recent_ms: list[float] = []  # durations of whole iterations (logging included, val excluded)
         first_bad = torch.full((), -1, dtype=torch.int64, device=d.device)  # first non-finite loss step
         step, train_ms, t0 = 0, 0.0, _now(d.device)
+        t_prev = None  # start of the previous iteration; one host sync per iteration when capped
         while step < cfg.iterations:
             if cfg.val_loss_every > 0 and step > 0 and step % cfg.val_loss_every == 0:
                 train_ms += _now(d.device) - t0
                 s = scorer(self.model, cfg.eval_seq_len)
                 log(f"step:{step}/{cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} "
                     f"train_time:{train_ms:.0f}ms step_avg:{train_ms / step:.2f}ms")
-                t0 = _now(d.device)
-            t_iter = _now(d.device) if cap_ms > 0 else 0.0  # the whole iteration counts, val excluded
-            elapsed = train_ms + t_iter - t0 if cap_ms > 0 else 0.0
-            if cap_ms > 0:  # a step starts only if its predicted end fits; all ranks agree
-                predicted = all_reduce_max(elapsed + (max(recent_ms[-10:]) if recent_ms else 0.0), d.device)
+                t0, t_prev = _now(d.device), None
+            elapsed = 0.0
+            if cap_ms > 0:  # a step starts only if its predicted end fits
+                t_iter = _now(d.device)
+                if t_prev is not None:
+                    recent_ms.append(t_iter - t_prev)
+                t_prev = t_iter
+                # all ranks agree on the clock, so they agree on stopping, lr scale and the QAT switch
+                elapsed, predicted = all_reduce_max(
+                    [train_ms + t_iter - t0, train_ms + t_iter - t0 + (max(recent_ms[-10:]) if recent_ms else 0.0)],
+                    d.device)
                 if predicted > cap_ms:
                     log(f"stopping_early: wallclock_cap train_time:{elapsed:.0f}ms step:{step}/{cfg.iterations}")
                     break
@@ -1204,8 +1214,6 @@ class Trainer:
                 now = train_ms + _now(d.device) - t0
                 log(f"step:{step}/{cfg.iterations} train_loss:{mean:.4f} train_time:{now:.0f}ms "
                     f"step_avg:{now / step:.2f}ms")
-            if cap_ms > 0:
-                recent_ms.append(_now(d.device) - t_iter)
         train_ms += _now(d.device) - t0
         self.check_finite(first_bad)
         return step, train_ms
