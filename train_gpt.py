@@ -39,7 +39,6 @@ from torch import Tensor, nn
 DROPPED_SETTINGS = {"SWA_ENABLED", "SWA_EVERY", "DTG_ENABLED", "LATE_QAT", "QAT_ENABLED",
                     "GATED_ATTENTION", "VALUE_RESIDUAL"}  # + LAWA_*, MTP_*: the reference's dead ends
 DROPPED_PREFIXES = ("LAWA_", "MTP_")
-PENDING_PREFIX = "TTT_"  # legal test-time training is not implemented yet: TTT_ENABLED=1 is an error
 # Environment variables of launchers and libraries that share a word with our fields.
 FOREIGN_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP_", "MASTER_", "LOCAL_", "GROUP_", "ROLE_",
                     "TRITON", "PYTHON", "HF_", "MKL", "KMP_", "GLOO", "NVIDIA", "CUBLAS", "CUDNN")
@@ -124,6 +123,15 @@ class Hyperparameters:
     train_log_every: int = 500  # train_loss line every N steps (and the first 10)
     compressor: str = "auto"  # zstd | lzma | auto (the smaller)
     int6_scale_floor: float = 1 / 31  # floor on int6 row scales: coarsens tiny rows, compresses better
+    # --- legal test-time training (score first, then train; after the final scoring)
+    ttt_enabled: bool = False  # run legal TTT on the read-back artifact and log legal_ttt
+    ttt_lr: float = 0.002  # SGD lr, cosine-decayed over chunks
+    ttt_epochs: int = 3  # passes over each chunk after it is scored (0 = score only)
+    ttt_chunk_tokens: int = 32768  # targets per chunk
+    ttt_freeze_blocks: int = 0  # first N blocks stay frozen
+    ttt_momentum: float = 0.9  # SGD momentum
+    ttt_batch_seqs: int = 32  # sequences (TRAIN_SEQ_LEN) per TTT step, over all ranks
+    ttt_grad_clip: float = 1.0  # global grad-norm clip
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> tuple["Hyperparameters", list[str]]:
@@ -135,10 +143,6 @@ class Hyperparameters:
             if key in by_env:
                 f = by_env[key]
                 values[f.name] = _parse_value(key, raw, f.type, CHOICES.get(f.name))
-            elif key.startswith(PENDING_PREFIX):
-                if key == "TTT_ENABLED" and raw.strip().lower() not in ("0", "false"):
-                    raise ValueError("TTT_ENABLED: legal test-time training is not implemented in this script yet")
-                warnings.append(f"setting {key} is ignored: test-time training is not implemented yet")
             elif key in DROPPED_SETTINGS or key.startswith(DROPPED_PREFIXES):
                 warnings.append(f"setting {key} is not supported by this script and is ignored")
             elif _looks_like_ours(key, by_env):
@@ -165,6 +169,8 @@ class Hyperparameters:
         need(self.grad_accum_steps >= 0, "GRAD_ACCUM_STEPS must be >= 0 (0 = auto)")
         need(self.iterations >= 0 and self.warmup_steps >= 0, "ITERATIONS, WARMUP_STEPS >= 0")
         need(0.0 <= self.ema_decay < 1.0, "EMA_DECAY must be in [0, 1)")
+        need(self.ttt_chunk_tokens > 0 and self.ttt_batch_seqs > 0 and self.ttt_epochs >= 0, "TTT_* sizes must be > 0")
+        need(0 <= self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
 
     @property
     def head_dim(self) -> int:
@@ -852,19 +858,24 @@ class Scorer:
         self.tokens = tokens.to(d.device)
         self.batch_seqs = batch_seqs
 
-    @torch.inference_mode()
-    def __call__(self, model: GPT, stride: int) -> Score:
-        cfg, d, L, B = self.cfg, self.d, self.cfg.eval_seq_len, self.batch_seqs
-        was_training = model.training
-        model.eval()
+    def windows(self, stride: int) -> Tensor:
+        return torch.tensor(sliding_windows(self.tokens.numel() - 1, self.cfg.eval_seq_len, stride),
+                            dtype=torch.int64, device=self.d.device).view(-1, 3)
+
+    def compiled(self, model: GPT):
+        """model.logits, compiled when enabled; returns (fn, compile ms) from one fixed-shape call."""
         fn = torch.compile(model.logits, dynamic=False, fullgraph=True) if self.compile_enabled else model.logits
-        t0 = _now(d.device)
-        with autocast(d.device):  # fixed batch shape: one compile, timed apart from scoring
-            fn(torch.zeros(B, L, dtype=torch.int64, device=d.device))
-        t1 = _now(d.device)
-        wins = sliding_windows(self.tokens.numel() - 1, L, stride)
-        mine = torch.tensor(wins[len(wins) * d.rank // d.world_size: len(wins) * (d.rank + 1) // d.world_size],
-                            dtype=torch.int64, device=d.device).view(-1, 3)
+        t0 = _now(self.d.device)
+        with torch.inference_mode(), autocast(self.d.device):
+            fn(torch.zeros(self.batch_seqs, self.cfg.eval_seq_len, dtype=torch.int64, device=self.d.device))
+        return fn, _now(self.d.device) - t0
+
+    @torch.inference_mode()
+    def score_windows(self, fn, wins: Tensor) -> Tensor:
+        """This rank's contiguous share of `wins` (rows of sliding_windows); returns its (nll, tokens,
+        bytes) float64 sums, not yet reduced over ranks."""
+        d, L, B = self.d, self.cfg.eval_seq_len, self.batch_seqs
+        mine = wins[wins.size(0) * d.rank // d.world_size: wins.size(0) * (d.rank + 1) // d.world_size]
         base, space, boundary = self.luts
         pos = torch.arange(L, device=d.device)
         sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # nll, tokens, bytes
@@ -883,12 +894,94 @@ class Scorer:
             nbytes = base[y].double() + (space[y] & ~boundary[x]).double()
             m = mask.double()
             sums += torch.stack(((nll.double() * m).sum(), m.sum(), (nbytes * m).sum()))
+        return sums
+
+    def __call__(self, model: GPT, stride: int) -> Score:
+        was_training = model.training
+        model.eval()
+        fn, compile_ms = self.compiled(model)
+        t0 = _now(self.d.device)
+        sums = self.score_windows(fn, self.windows(stride))
         all_reduce_sum_(sums)
-        t2 = _now(d.device)
         model.train(was_training)
-        nll, ntok, nbytes = sums.tolist()
-        loss = nll / ntok
-        return Score(loss, loss / math.log(2) * ntok / nbytes, int(ntok), int(nbytes), t2 - t1, t1 - t0)
+        return make_score(sums, _now(self.d.device) - t0, compile_ms)
+
+
+def make_score(sums: Tensor, time_ms: float, compile_ms: float) -> Score:
+    nll, ntok, nbytes = sums.tolist()
+    loss = nll / ntok
+    return Score(loss, loss / math.log(2) * ntok / nbytes, int(ntok), int(nbytes), time_ms, compile_ms)
+
+
+def legal_ttt(cfg: Hyperparameters, d: Dist, model: GPT, scorer: Scorer, log: Logger, on_chunk=None) -> Score:
+    """Score-first test-time training (the later records' legal TTT). The val targets are cut into
+    TTT_CHUNK_TOKENS chunks; each chunk is first scored by the sliding-window scorer in inference mode
+    (a window belongs to the chunk of its first scored target), then trained on with SGD + momentum
+    (cosine lr over chunks, global-norm clip, gradients averaged over ranks). A token's score thus
+    depends only on the artifact and earlier tokens; nothing is re-scored; the last chunk is never
+    trained on. TTT_FREEZE_BLOCKS freezes the first blocks (their bank slices and control tensors).
+    on_chunk(k, model), if given, is called right before chunk k is scored (for tests)."""
+    T, C, L = cfg.train_seq_len, cfg.ttt_chunk_tokens, cfg.num_layers
+    n_targets = scorer.tokens.numel() - 1
+    n_chunks = -(-n_targets // C)
+    wins = scorer.windows(cfg.eval_stride)
+    win_chunk = wins[:, 1] // C
+    frozen = list(range(cfg.ttt_freeze_blocks))
+    params = [p for n, p in model.named_parameters() if not (n.startswith("blocks.") and int(n.split(".")[1]) in frozen)]
+    opt = torch.optim.SGD(params, lr=cfg.ttt_lr, momentum=cfg.ttt_momentum)
+    model.eval()
+    fn_score, compile_ms = scorer.compiled(model)
+    fn_train = torch.compile(model.logits, dynamic=False, fullgraph=True) if scorer.compile_enabled else model.logits
+    rows = -(-cfg.ttt_batch_seqs // d.world_size)  # fixed per-rank batch shape (padded): one compile
+    pos = torch.arange(T, device=d.device)
+    sums = torch.zeros(3, dtype=torch.float64, device=d.device)
+    t0 = _now(d.device)
+    for k in range(n_chunks):
+        if on_chunk is not None:
+            on_chunk(k, model)
+        sums += scorer.score_windows(fn_score, wins[win_chunk == k])
+        if k < n_chunks - 1 and cfg.ttt_epochs > 0:
+            for g in opt.param_groups:
+                g["lr"] = cfg.ttt_lr * 0.5 * (1 + math.cos(math.pi * k / max(n_chunks - 1, 1)))
+            c1 = min((k + 1) * C, n_targets)
+            starts = torch.arange(k * C, c1, T, device=d.device)
+            for _ in range(cfg.ttt_epochs):
+                for b0 in range(0, starts.numel(), cfg.ttt_batch_seqs):
+                    batch = starts[b0: b0 + cfg.ttt_batch_seqs]
+                    count = (c1 - batch).clamp(max=T).sum()  # targets in the global batch
+                    a = batch[d.rank::d.world_size]
+                    a = torch.cat((a, a.new_full((rows - a.numel(),), c1)))  # padding rows: no targets
+                    idx = (a[:, None] + pos).clamp(max=n_targets - 1)
+                    mask = pos < (c1 - a[:, None])
+                    opt.zero_grad(set_to_none=False)
+                    with autocast(d.device):
+                        logits = fn_train(scorer.tokens[idx])
+                    nll = F.cross_entropy(logits.float().flatten(0, 1), scorer.tokens[idx + 1].flatten(), reduction="none")
+                    ((nll.view(rows, T) * mask).sum() / count).backward()
+                    ttt_sync_grads(model, params, frozen, L)
+                    torch.nn.utils.clip_grad_norm_(params, cfg.ttt_grad_clip)
+                    opt.step()
+        if d.is_main and (k + 1) % max(1, n_chunks // 8) == 0:
+            s = sums.tolist()
+            log(f"ttt_chunk:{k + 1}/{n_chunks} rank0_bpb_so_far:{s[0] / s[1] / math.log(2) * s[1] / s[2]:.4f} "
+                f"time:{_now(d.device) - t0:.0f}ms")
+    all_reduce_sum_(sums)
+    return make_score(sums, _now(d.device) - t0, compile_ms)
+
+
+@torch.no_grad()
+def ttt_sync_grads(model: GPT, params: list[Tensor], frozen: list[int], num_layers: int) -> None:
+    """Average TTT gradients over ranks (one coalesced all-reduce) and zero the frozen layers' bank rows."""
+    grads = [p.grad for p in params]
+    if _distributed():
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        all_reduce_sum_(flat)
+        torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+    for bank, slots in (("qo_bank", 2), ("kv_bank", 2), ("mlp_up_bank", 1), ("mlp_down_bank", 1)):
+        g = getattr(model, bank).grad
+        for i in frozen:
+            for slot in range(slots):
+                g[slot * num_layers + i].zero_()
 
 
 def _now(device: torch.device) -> float:
@@ -1323,6 +1416,8 @@ def main() -> int:
     eval_model.load_state_dict(load_artifact(artifact, eval_model.state_dict(), cfg.num_layers))
     log_score(log, "final_int6_roundtrip", scorer(eval_model, cfg.eval_seq_len))
     log_score(log, "final_int6_sliding_window", scorer(eval_model, cfg.eval_stride), f" stride:{cfg.eval_stride}")
+    if cfg.ttt_enabled:  # last: it changes the weights
+        log_score(log, "legal_ttt", legal_ttt(cfg, d, eval_model, scorer, log), f" stride:{cfg.eval_stride}")
     if total > SIZE_LIMIT_BYTES:
         log(f"ERROR submission_over_limit total:{total} limit:{SIZE_LIMIT_BYTES} over_by:{total - SIZE_LIMIT_BYTES}")
         return 1
