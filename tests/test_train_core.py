@@ -162,7 +162,7 @@ def test_reference_ttt_settings_are_fields():
     assert (cfg.ttt_enabled, cfg.ttt_lr, cfg.ttt_epochs) == (True, 0.004, 2) and warnings == []
     d = tg.Hyperparameters()
     assert (d.ttt_enabled, d.ttt_lr, d.ttt_epochs, d.ttt_chunk_tokens, d.ttt_freeze_blocks, d.ttt_momentum,
-            d.ttt_batch_seqs, d.ttt_grad_clip) == (False, 0.002, 3, 32768, 0, 0.9, 32, 1.0)
+            d.ttt_batch_seqs, d.ttt_grad_clip) == (False, 0.006, 3, 32768, 0, 0.9, 32, 1.0)
     with pytest.raises(ValueError, match="TTT_EPOCHS"):
         tg.Hyperparameters.from_env({"TTT_EPOCH": "2"})
 
