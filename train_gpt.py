@@ -246,6 +246,21 @@ def all_reduce_sum_(t: Tensor, async_op: bool = False):
     return None
 
 
+def all_reduce_mean_coalesced_(tensors: list[Tensor]):
+    """Average tensors over ranks with ONE async all-reduce of their fp32 concatenation (not one call
+    per tensor). Returns a function that waits and writes the averages back (a no-op on one rank)."""
+    if not _distributed() or not tensors:
+        return lambda: None
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    work = all_reduce_sum_(flat, async_op=True)
+
+    def finish() -> None:
+        work.wait()
+        flat.div_(dist.get_world_size())
+        torch._foreach_copy_(tensors, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
+    return finish
+
+
 def sq_norm(tensors: list[Tensor]) -> Tensor:
     """Sum of squares of a list of tensors in fp32, in one multi-tensor launch."""
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
@@ -430,15 +445,9 @@ class Optimizers:
         """One optimizer step over reduced gradients; returns the global grad norm (pre-clip)."""
         self.muon.launch_reduce_scatter()
         grads = [p.grad for p in self.replicated if p.grad is not None]
-        flat = work = None
-        if self.world_size > 1 and grads:  # one coalesced all-reduce, not one call per tensor
-            flat = torch.cat([g.reshape(-1).float() for g in grads])
-            work = all_reduce_sum_(flat, async_op=True)
+        finish_all_reduce = all_reduce_mean_coalesced_(grads)
         sq = self.muon.finish_reduce_scatter()
-        if flat is not None:
-            work.wait()
-            flat.div_(self.world_size)
-            torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        finish_all_reduce()
         if grads and self.rank == 0:  # replicated grads are identical on all ranks: count them once
             sq = sq + sq_norm(grads)
         all_reduce_sum_(sq)
@@ -977,11 +986,7 @@ def legal_ttt(cfg: Hyperparameters, d: Dist, model: GPT, scorer: Scorer, log: Lo
 @torch.no_grad()
 def ttt_sync_grads(model: GPT, params: list[Tensor], frozen: list[int], num_layers: int) -> None:
     """Average TTT gradients over ranks (one coalesced all-reduce) and zero the frozen layers' bank rows."""
-    grads = [p.grad for p in params]
-    if _distributed():
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        all_reduce_sum_(flat)
-        torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+    all_reduce_mean_coalesced_([p.grad for p in params])()
     for bank, slots in (("qo_bank", 2), ("kv_bank", 2), ("mlp_up_bank", 1), ("mlp_down_bank", 1)):
         g = getattr(model, bank).grad
         for i in frozen:
