@@ -971,7 +971,8 @@ def legal_ttt(cfg: Hyperparameters, d: Dist, model: GPT, scorer: Scorer, log: Lo
                     with autocast(d.device):
                         logits = fn_train(scorer.tokens[idx])
                     nll = F.cross_entropy(logits.float().flatten(0, 1), scorer.tokens[idx + 1].flatten(), reduction="none")
-                    ((nll.view(rows, T) * mask).sum() / count).backward()
+                    # x world_size: the ranks' gradients are averaged, and each holds 1/world of the batch
+                    ((nll.view(rows, T) * mask).sum() * d.world_size / count).backward()
                     ttt_sync_grads(model, params, frozen, L)
                     torch.nn.utils.clip_grad_norm_(params, cfg.ttt_grad_clip)
                     opt.step()
@@ -1428,7 +1429,7 @@ def main() -> int:
     log_score(log, "final_int6_roundtrip", scorer(eval_model, cfg.eval_seq_len))
     log_score(log, "final_int6_sliding_window", scorer(eval_model, cfg.eval_stride), f" stride:{cfg.eval_stride}")
     if cfg.ttt_enabled:  # last: it changes the weights
-        log_score(log, "legal_ttt", legal_ttt(cfg, d, eval_model, scorer, log), f" stride:{cfg.eval_stride}")
+        log_score(log, "legal_ttt", legal_ttt(cfg, d, eval_model, scorer, log))
     if total > SIZE_LIMIT_BYTES:
         log(f"ERROR submission_over_limit total:{total} limit:{SIZE_LIMIT_BYTES} over_by:{total - SIZE_LIMIT_BYTES}")
         return 1
