@@ -10,10 +10,8 @@ growing only with features that earn their bytes (every byte of this file counts
 from __future__ import annotations
 
 import copy
-import dataclasses
 import difflib
 import glob
-import io
 import json
 import lzma
 import math
@@ -23,7 +21,7 @@ import struct
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np

@@ -7,7 +7,6 @@ per-document sp.encode for token streams), not from the code under test.
 """
 
 import json
-import os
 import random
 import struct
 import subprocess
