@@ -40,7 +40,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--qat-check", action="store_true", help="compiled loss with late QAT off vs on, same batch")
-    ap.add_argument("--compile-muon", action="store_true", help="experiment: torch.compile the Muon update")
     args = ap.parse_args()
     cfg, _ = tg.Hyperparameters.from_env()
     d = tg.init_distributed(cfg)
@@ -50,8 +49,6 @@ def main() -> None:
     attn = tg.resolve_attn_backend(cfg, d.device)
     tg.configure_sdpa(attn)
     accum = tg.resolve_grad_accum(cfg, d.world_size)
-    if args.compile_muon:
-        tg.muon_update = torch.compile(tg.muon_update, dynamic=False)
     model = tg.build_model(cfg, d.device, attn)
     loader = tg.TrainLoader(tg.shard_files(cfg.data_path, "train"), cfg, d, accum)
     compile_enabled = cfg.compile_enabled != "0"
