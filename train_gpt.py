@@ -47,6 +47,7 @@ CHOICES = {
     "attn_backend": ("auto", "fa3", "flash", "cudnn", "math"),
     "muon_reduce_dtype": ("auto", "bf16", "fp32"),
     "device": ("auto", "cuda", "cpu"),
+    "train_sampling": ("sequential", "coprime"),
 }
 
 
@@ -70,6 +71,7 @@ class Hyperparameters:
     train_seq_len: int = 2048  # training sequence length (tokens)
     grad_accum_steps: int = 0  # 0 = max(1, 8 // WORLD_SIZE): same global batch for 1..8 GPUs
     compile_enabled: str = "auto"  # torch.compile: auto = on for CUDA, off for CPU
+    train_sampling: str = "sequential"  # sequential (shards in order) | coprime (strided over all shards)
     # --- model
     num_layers: int = 11  # transformer blocks
     model_dim: int = 512  # residual width
@@ -540,29 +542,109 @@ class TokenStream:
         return np.concatenate(parts)
 
 
+class CoprimeSampler:
+    """Sequence-level sampling over all train shards (later records' multi-shard loader): the token
+    array is cut into n slots of TRAIN_SEQ_LEN (+1 target), and the k-th sequence drawn is slot
+    (k * stride) mod n with stride coprime to n, so every slot is visited once per cycle of n and the
+    order mixes shards. Deterministic: the same on every rank and for every world size."""
+
+    def __init__(self, files: list[str], vocab_size: int, seq_len: int):
+        self.shards = [open_shard(f, vocab_size) for f in files]
+        self.starts = np.cumsum([0] + [len(t) for t in self.shards])
+        self.seq_len, self.n = seq_len, (int(self.starts[-1]) - 1) // seq_len
+        if self.n < 1:
+            raise ValueError(f"train shards hold fewer than TRAIN_SEQ_LEN+1={seq_len + 1} tokens")
+        self.stride = max(1, round(self.n * 0.6180339887))  # golden-ratio stride: neighbours land far apart
+        while math.gcd(self.stride, self.n) != 1:
+            self.stride += 1
+        self.k = 0
+
+    def state_dict(self) -> dict:
+        return {"k": self.k}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.k = s["k"]
+
+    def _tokens(self, lo: int, hi: int) -> np.ndarray:
+        """Global token range [lo, hi) across shard boundaries."""
+        parts, i = [], int(np.searchsorted(self.starts, lo, side="right")) - 1
+        while lo < hi:
+            a, b = lo - self.starts[i], min(hi, self.starts[i + 1]) - self.starts[i]
+            parts.append(np.asarray(self.shards[i][a:b]))
+            lo, i = self.starts[i] + b, i + 1
+        return np.concatenate(parts)
+
+    def take_sequences(self, count: int) -> np.ndarray:
+        slots = (np.arange(self.k, self.k + count) * self.stride) % self.n
+        self.k += count
+        return np.stack([self._tokens(int(j) * self.seq_len, (int(j) + 1) * self.seq_len + 1) for j in slots])
+
+
+class SequentialSampler:
+    """The reference's order: the shards read front to back, one contiguous chunk per step."""
+
+    def __init__(self, files: list[str], vocab_size: int, seq_len: int):
+        self.stream, self.seq_len = TokenStream(files, vocab_size), seq_len
+
+    def state_dict(self) -> dict:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, s: dict) -> None:
+        self.stream.load_state_dict(s)
+
+    def take_sequences(self, count: int) -> np.ndarray:
+        chunk, T = self.stream.take(count * self.seq_len), self.seq_len
+        return np.lib.stride_tricks.sliding_window_view(chunk, T + 1)[::T]
+
+
 class TrainLoader:
-    """Global batch = one contiguous chunk of TRAIN_BATCH_TOKENS cut into sequences; micro-step m of
-    rank r takes sequences [(m * world + r) * s, ...+ s). The set of sequences per step is therefore
-    independent of world size and accumulation split (the reference's per-rank spans were not)."""
+    """Global batch = TRAIN_BATCH_TOKENS / TRAIN_SEQ_LEN sequences (TRAIN_SAMPLING order); micro-step
+    m of rank r takes sequences [(m * world + r) * s, ...+ s). The set of sequences per step is
+    therefore independent of world size and accumulation split (the reference's per-rank spans were
+    not). A background thread assembles the next step's batch into pinned memory while the GPU runs;
+    host-to-device copies are asynchronous."""
 
     def __init__(self, files: list[str], cfg: Hyperparameters, d: Dist, grad_accum: int):
-        self.stream = TokenStream(files, cfg.vocab_size)
-        self.seq_len, self.batch_tokens = cfg.train_seq_len, cfg.train_batch_tokens
+        sampler = CoprimeSampler if cfg.train_sampling == "coprime" else SequentialSampler
+        self.sampler = sampler(files, cfg.vocab_size, cfg.train_seq_len)
+        self.seq_len, self.seqs_per_step = cfg.train_seq_len, cfg.train_batch_tokens // cfg.train_seq_len
         self.d, self.grad_accum = d, grad_accum
-        self.seqs_per_micro = cfg.train_batch_tokens // (cfg.train_seq_len * d.world_size * grad_accum)
+        self.seqs_per_micro = self.seqs_per_step // (d.world_size * grad_accum)
+        from concurrent.futures import ThreadPoolExecutor
+        self.pool = ThreadPoolExecutor(1)
+        self.pending, self.pending_state = None, None  # the prefetched batch and the position it starts at
 
-    def next_batch(self) -> list[tuple[Tensor, Tensor]]:
-        chunk = torch.from_numpy(self.stream.take(self.batch_tokens).astype(np.int64))
-        T, s = self.seq_len, self.seqs_per_micro
-        x_all, y_all = chunk[:-1].view(-1, T), chunk[1:].view(-1, T)
-        out = []
+    def _host_batch(self) -> list[tuple[Tensor, Tensor]]:
+        seqs = torch.from_numpy(self.sampler.take_sequences(self.seqs_per_step).astype(np.int64))
+        out, s = [], self.seqs_per_micro
         for m in range(self.grad_accum):
             lo = (m * self.d.world_size + self.d.rank) * s
-            x, y = x_all[lo: lo + s], y_all[lo: lo + s]
+            x, y = seqs[lo: lo + s, :-1], seqs[lo: lo + s, 1:]
             if self.d.device.type == "cuda":
-                x, y = x.pin_memory().to(self.d.device, non_blocking=True), y.pin_memory().to(self.d.device, non_blocking=True)
+                x, y = x.pin_memory(), y.pin_memory()
             out.append((x, y))
         return out
+
+    def next_batch(self) -> list[tuple[Tensor, Tensor]]:
+        if self.pending is None:
+            self._prefetch()
+        batch = self.pending.result()
+        self._prefetch()
+        return [(x.to(self.d.device, non_blocking=True), y.to(self.d.device, non_blocking=True)) for x, y in batch]
+
+    def _prefetch(self) -> None:
+        self.pending_state = copy.deepcopy(self.sampler.state_dict())
+        self.pending = self.pool.submit(self._host_batch)
+
+    def state_dict(self) -> dict:
+        """Position of the next batch next_batch() will return."""
+        return copy.deepcopy(self.pending_state if self.pending is not None else self.sampler.state_dict())
+
+    def load_state_dict(self, s: dict) -> None:
+        if self.pending is not None:
+            self.pending.result()  # let the worker finish before moving the sampler
+            self.pending = None
+        self.sampler.load_state_dict(copy.deepcopy(s))
 
 
 def resolve_grad_accum(cfg: Hyperparameters, world_size: int) -> int:
@@ -1260,7 +1342,7 @@ class Trainer:
         if cfg.late_qat_threshold > 0 and cfg.warmup_steps < 2:
             self.log("warning WARMUP_STEPS < 2: the late-QAT variant will compile inside the timed window")
         saved = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict()),
-                 self.loader.stream.state_dict())
+                 self.loader.state_dict())
         for i in range(cfg.warmup_steps):
             self.model.qat_enabled = cfg.late_qat_threshold > 0 and cfg.warmup_steps >= 2 and i == cfg.warmup_steps - 1
             self.step(i, 1.0)
@@ -1268,7 +1350,7 @@ class Trainer:
         self.model.qat_enabled = False
         self.model.load_state_dict(saved[0])
         self.opt.load_state_dict(saved[1])
-        self.loader.stream.load_state_dict(saved[2])
+        self.loader.load_state_dict(saved[2])
 
     def mean_loss(self, loss: Tensor) -> float:
         t = loss.detach().double().reshape(1)

@@ -317,7 +317,7 @@ def test_train_loader_state_dict_restores_position(small_shards):
     a = tg.TrainLoader(files, cfg, d, 2)
     for _ in range(3):
         a.next_batch()
-    state = a.stream.state_dict()
+    state = a.state_dict()
     assert state["file_idx"] != 0  # 96 tokens in: inside the 4th shard, so restoring must reopen a shard
     after = [[(x.clone(), y.clone()) for x, y in a.next_batch()] for _ in range(5)]
 
@@ -325,13 +325,60 @@ def test_train_loader_state_dict_restores_position(small_shards):
         for want in after:
             got = loader.next_batch()
             assert all(torch.equal(x, wx) and torch.equal(y, wy) for (x, y), (wx, wy) in zip(got, want))
-    a.stream.load_state_dict(dict(state))
+    a.load_state_dict(dict(state))
     same(a)
     b = tg.TrainLoader(files, cfg, d, 2)  # a fresh loader, as after a restart
-    b.stream.load_state_dict(dict(state))
+    b.load_state_dict(dict(state))
     same(b)
     step3 = sorted((tuple(x.tolist()), tuple(y.tolist())) for xs, ys in after[0] for x, y in zip(xs, ys))
     assert step3 == _expected_step(all_tokens, 3, 32, 4)
+
+
+def _coprime_expected(all_tokens: np.ndarray, step: int, batch: int, T: int) -> list[tuple]:
+    """The coprime-stride rule written independently: n = (N-1)//T slots, stride = the first integer >= the
+    golden-ratio point round(0.618 n) coprime with n, the k-th sequence is slot (k * stride) mod n."""
+    n = (len(all_tokens) - 1) // T
+    stride = max(1, round(n * 0.6180339887))
+    while np.gcd(stride, n) != 1:
+        stride += 1
+    S = batch // T
+    out = []
+    for k in range(step * S, step * S + S):
+        j = (k * stride) % n
+        w = all_tokens[j * T: j * T + T + 1].tolist()
+        out.append((tuple(w[:-1]), tuple(w[1:])))
+    return sorted(out)
+
+
+def test_coprime_sampler_visits_every_slot_once_per_cycle(small_shards):
+    files, all_tokens = small_shards
+    T = 4
+    sampler = tg.CoprimeSampler(files, tg.Hyperparameters().vocab_size, T)
+    n = (len(all_tokens) - 1) // T
+    assert sampler.n == n and np.gcd(sampler.stride, n) == 1
+    for cycle in range(2):
+        seqs = sampler.take_sequences(n)
+        starts = sorted(int(s[0]) for s in seqs)  # tokens are global positions
+        assert starts == [j * T for j in range(n)], f"cycle {cycle}"
+        for s in seqs:  # content = the concatenated stream, across shard boundaries
+            assert s.tolist() == all_tokens[s[0]: s[0] + T + 1].tolist()
+
+
+@pytest.mark.parametrize("world, accum", [(1, 8), (2, 4), (4, 2), (8, 1), (1, 1)])
+def test_coprime_loader_is_split_independent_and_restorable(small_shards, world, accum):
+    files, all_tokens = small_shards
+    T, batch = 4, 32
+    cfg = make_cfg(TRAIN_SEQ_LEN=T, TRAIN_BATCH_TOKENS=batch, TRAIN_SAMPLING="coprime")
+    loaders = [tg.TrainLoader(files, cfg, tg.Dist(r, world, r, CPU), accum) for r in range(world)]
+    for step in range(7):  # 7 * 8 = 56 sequences > 40 slots: crosses a cycle
+        assert _gathered_step(loaders) == _coprime_expected(all_tokens, step, batch, T), f"step {step}"
+    state = loaders[0].state_dict()  # taken with the next batch already prefetched
+    want = _gathered_step(loaders[:1]) if world == 1 else None
+    fresh = tg.TrainLoader(files, cfg, tg.Dist(0, world, 0, CPU), accum)
+    fresh.load_state_dict(state)
+    if want is not None:
+        assert _gathered_step([fresh]) == want
+    assert state == {"k": 7 * batch // T}
 
 
 # =============================================================================================
@@ -682,7 +729,7 @@ def test_warmup_restores_weights_optimizer_and_data(dataset, tokenizer_path, mon
         tr.step(s, 1.0)
     weights = {k: v.clone() for k, v in tr.model.state_dict().items()}
     opt_state = copy.deepcopy(tr.opt.state_dict())
-    position = dict(tr.loader.stream.state_dict())
+    position = dict(tr.loader.state_dict())
     seen = []
     real_step = tg.Trainer.step
 
@@ -701,7 +748,7 @@ def test_warmup_restores_weights_optimizer_and_data(dataset, tokenizer_path, mon
     assert_same(tr.opt.state_dict(), opt_state, "optimizer")
     if steps_before == 0:
         assert len(tr.opt.adam.state) == 0 and len(tr.opt.muon.state) == 0
-    assert tr.loader.stream.state_dict() == position
+    assert tr.loader.state_dict() == position
     assert tr.opt.muon.pending == []
 
 
