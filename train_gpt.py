@@ -1090,6 +1090,9 @@ INT8_CLIP_QUANTILE = 0.9999984  # the reference's per-row clip for int8 tables
 KEEP_FLOAT_MAX_NUMEL = 65536  # tensors up to this size stay float (fp16)
 ARTIFACT_MAGIC, PAYLOAD_MAGIC = b"PGA1", b"PGT1"
 COMPRESSOR_CODES = {"zstd": 0, "lzma": 1}
+# xz preset 6|extreme came out 34-38 KB smaller than 9|extreme (and ~10% faster) on both PQB artifacts
+# (15,408,208 vs 15,442,060 and 15,461,288 vs 15,499,120 bytes); zstd-22 was ~1 MB larger than either.
+LZMA_PRESET = 6 | lzma.PRESET_EXTREME
 BANK_SLOTS = (  # (bank, slot offset in layers, exported per-layer name)
     ("qo_bank", 0, "attn.q"), ("qo_bank", 1, "attn.o"), ("kv_bank", 0, "attn.k"), ("kv_bank", 1, "attn.v"),
     ("mlp_up_bank", 0, "mlp.up"), ("mlp_down_bank", 0, "mlp.down"))
@@ -1208,7 +1211,7 @@ def _zstd():
 
 
 def compress(payload: bytes, method: str) -> tuple[bytes, str]:
-    """zstd level 22 or xz (lzma preset 9 extreme); auto keeps the smaller. Both check integrity."""
+    """zstd level 22 or xz (LZMA_PRESET); auto keeps the smaller. Both check integrity."""
     methods = ["zstd", "lzma"] if method == "auto" else [method]
     if _zstd() is None:
         if method == "zstd":
@@ -1217,7 +1220,7 @@ def compress(payload: bytes, method: str) -> tuple[bytes, str]:
     def run(m: str) -> bytes:
         if m == "zstd":
             return _zstd().ZstdCompressor(level=22, write_checksum=True).compress(payload)
-        return lzma.compress(payload, format=lzma.FORMAT_XZ, preset=9 | lzma.PRESET_EXTREME)
+        return lzma.compress(payload, format=lzma.FORMAT_XZ, preset=LZMA_PRESET)
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(len(methods)) as pool:  # both release the GIL: auto costs max, not sum
         blobs = dict(zip(methods, pool.map(run, methods)))
