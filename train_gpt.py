@@ -510,38 +510,6 @@ def load_tokens(files: list[str], vocab_size: int) -> Tensor:
     return torch.from_numpy(np.concatenate([np.asarray(open_shard(f, vocab_size)) for f in files]).astype(np.int64))
 
 
-class TokenStream:
-    """Reads the train shards in order, wrapping around; its position is a small state dict."""
-
-    def __init__(self, files: list[str], vocab_size: int):
-        self.files, self.vocab_size = files, vocab_size
-        self.file_idx, self.pos = 0, 0
-        self.tokens = open_shard(files[0], vocab_size)
-
-    def state_dict(self) -> dict:
-        return {"file_idx": self.file_idx, "pos": self.pos}
-
-    def load_state_dict(self, s: dict) -> None:
-        if s["file_idx"] != self.file_idx:
-            self.tokens = open_shard(self.files[s["file_idx"]], self.vocab_size)
-        self.file_idx, self.pos = s["file_idx"], s["pos"]
-
-    def take(self, n: int) -> np.ndarray:
-        """n + 1 tokens (inputs and shifted targets); the stream advances by n, so the last token
-        is read again as the first of the next batch."""
-        parts, need = [], n + 1
-        while need:
-            if self.pos >= len(self.tokens):
-                self.file_idx, self.pos = (self.file_idx + 1) % len(self.files), 0
-                self.tokens = open_shard(self.files[self.file_idx], self.vocab_size)
-                continue
-            k = min(need, len(self.tokens) - self.pos)
-            parts.append(np.asarray(self.tokens[self.pos: self.pos + k]))
-            self.pos, need = self.pos + k, need - k
-        self.pos -= 1  # the peeked token was read from the current shard, so pos >= 1 here
-        return np.concatenate(parts)
-
-
 class CoprimeSampler:
     """Sequence-level sampling over all train shards (later records' multi-shard loader): the token
     array is cut into n slots of TRAIN_SEQ_LEN (+1 target), and the k-th sequence drawn is slot
@@ -581,19 +549,39 @@ class CoprimeSampler:
 
 
 class SequentialSampler:
-    """The reference's order: the shards read front to back, one contiguous chunk per step."""
+    """The reference's order: the shards read front to back, wrapping around, one contiguous chunk per
+    step; its position is a small state dict."""
 
     def __init__(self, files: list[str], vocab_size: int, seq_len: int):
-        self.stream, self.seq_len = TokenStream(files, vocab_size), seq_len
+        self.files, self.vocab_size, self.seq_len = files, vocab_size, seq_len
+        self.file_idx, self.pos = 0, 0
+        self.tokens = open_shard(files[0], vocab_size)
 
     def state_dict(self) -> dict:
-        return self.stream.state_dict()
+        return {"file_idx": self.file_idx, "pos": self.pos}
 
     def load_state_dict(self, s: dict) -> None:
-        self.stream.load_state_dict(s)
+        if s["file_idx"] != self.file_idx:
+            self.tokens = open_shard(self.files[s["file_idx"]], self.vocab_size)
+        self.file_idx, self.pos = s["file_idx"], s["pos"]
+
+    def take(self, n: int) -> np.ndarray:
+        """n + 1 tokens (inputs and shifted targets); the stream advances by n, so the last token
+        is read again as the first of the next batch."""
+        parts, need = [], n + 1
+        while need:
+            if self.pos >= len(self.tokens):
+                self.file_idx, self.pos = (self.file_idx + 1) % len(self.files), 0
+                self.tokens = open_shard(self.files[self.file_idx], self.vocab_size)
+                continue
+            k = min(need, len(self.tokens) - self.pos)
+            parts.append(np.asarray(self.tokens[self.pos: self.pos + k]))
+            self.pos, need = self.pos + k, need - k
+        self.pos -= 1  # the peeked token was read from the current shard, so pos >= 1 here
+        return np.concatenate(parts)
 
     def take_sequences(self, count: int) -> np.ndarray:
-        chunk, T = self.stream.take(count * self.seq_len), self.seq_len
+        chunk, T = self.take(count * self.seq_len), self.seq_len
         return np.lib.stride_tricks.sliding_window_view(chunk, T + 1)[::T]
 
 
