@@ -21,6 +21,7 @@ import struct
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -598,7 +599,6 @@ class TrainLoader:
         self.seq_len, self.seqs_per_step = cfg.train_seq_len, cfg.train_batch_tokens // cfg.train_seq_len
         self.d, self.grad_accum = d, grad_accum
         self.seqs_per_micro = self.seqs_per_step // (d.world_size * grad_accum)
-        from concurrent.futures import ThreadPoolExecutor
         self.pool = ThreadPoolExecutor(1)
         self.pending, self.pending_state = None, None  # the prefetched batch and the position it starts at
 
@@ -1209,7 +1209,6 @@ def compress(payload: bytes, method: str) -> tuple[bytes, str]:
         if m == "zstd":
             return _zstd().ZstdCompressor(level=22, write_checksum=True).compress(payload)
         return lzma.compress(payload, format=lzma.FORMAT_XZ, preset=LZMA_PRESET)
-    from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(len(methods)) as pool:  # both release the GIL: auto costs max, not sum
         blobs = dict(zip(methods, pool.map(run, methods)))
     best = min(blobs, key=lambda m: len(blobs[m]))
