@@ -114,7 +114,8 @@ class Hyperparameters:
     grad_clip_norm: float = 0.3  # clip by the global norm of the reduced gradient (0 = off)
     # --- averaging / QAT
     ema_enabled: bool = True  # keep an EMA of all weights and export it
-    ema_decay: float = 0.997  # EMA decay per step
+    ema_horizon: float = 0.05  # EMA time constant as a fraction of the run (ITERATIONS, or the wallclock cap)
+    ema_decay: float = 0.0  # fixed per-step decay instead (the reference's 0.997); 0 = from EMA_HORIZON
     late_qat_threshold: float = 0.15  # fake-quantize banks to int6 once lr scale < this (0 = off)
     # --- eval / logging / export
     eval_seq_len: int = 2048  # sliding-window scoring window
@@ -170,6 +171,7 @@ class Hyperparameters:
         need(self.grad_accum_steps >= 0, "GRAD_ACCUM_STEPS must be >= 0 (0 = auto)")
         need(self.iterations >= 0 and self.warmup_steps >= 0, "ITERATIONS, WARMUP_STEPS >= 0")
         need(0.0 <= self.ema_decay < 1.0, "EMA_DECAY must be in [0, 1)")
+        need(self.ema_horizon > 0 or self.ema_decay > 0, "EMA_HORIZON must be > 0 (or set EMA_DECAY)")
         need(self.ttt_chunk_tokens > 0 and self.ttt_batch_seqs > 0 and self.ttt_epochs >= 0, "TTT_* sizes must be > 0")
         need(0 <= self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
 
@@ -1264,16 +1266,22 @@ class Logger:
 
 
 class EMA:
-    """Exponential moving average of all parameters in fp32, applied to the model after training."""
+    """Exponential moving average of all parameters in fp32, applied to the model after training.
+    Its time constant is a fixed fraction of the run (progress 0..1, by iteration or by wallclock), so
+    the same setting fits a 1,500-step proxy run and a 7,000-step record run: decay = exp(-dp / horizon)
+    per step of progress dp. EMA_DECAY > 0 fixes the per-step decay instead."""
 
-    def __init__(self, model: nn.Module, decay: float):
-        self.decay = decay
+    def __init__(self, model: nn.Module, horizon: float, fixed_decay: float = 0.0):
+        self.horizon, self.fixed_decay = horizon, fixed_decay
         self.params = [p for p in model.parameters()]
         self.shadow = [p.detach().float().clone() for p in self.params]
 
+    def decay(self, progress_delta: float) -> float:
+        return self.fixed_decay if self.fixed_decay > 0 else math.exp(-max(progress_delta, 0.0) / self.horizon)
+
     @torch.no_grad()
-    def update(self) -> None:
-        torch._foreach_lerp_(self.shadow, [p.float() for p in self.params], 1.0 - self.decay)
+    def update(self, progress_delta: float) -> None:
+        torch._foreach_lerp_(self.shadow, [p.float() for p in self.params], 1.0 - self.decay(progress_delta))
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
@@ -1353,6 +1361,7 @@ class Trainer:
         recent_ms: list[float] = []  # durations of whole iterations (logging included, val excluded)
         first_bad = torch.full((), -1, dtype=torch.int64, device=d.device)  # first non-finite loss step
         step, train_ms, t0 = 0, 0.0, _now(d.device)
+        progress = 0.0  # fraction of the run done, by iteration or (capped) by the agreed clock
         t_prev = None  # start of the previous iteration; one host sync per iteration when capped
         while step < cfg.iterations:
             if cfg.val_loss_every > 0 and step > 0 and step % cfg.val_loss_every == 0:
@@ -1379,8 +1388,10 @@ class Trainer:
                 self.model.qat_enabled = True
                 log(f"late_qat:enabled step:{step} lr_scale:{lr_scale:.4f}")
             loss = self.step(step, lr_scale)
+            done = elapsed / cap_ms if cap_ms > 0 else (step + 1) / cfg.iterations
             if ema is not None:
-                ema.update()
+                ema.update(done - progress)
+            progress = done
             step += 1
             first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad)
             if cfg.train_log_every > 0 and (step <= 10 or step % cfg.train_log_every == 0):
@@ -1465,7 +1476,7 @@ def main() -> int:
         loader = TrainLoader(shard_files(cfg.data_path, "train"), cfg, d, grad_accum)
         trainer = Trainer(cfg, d, model, loader, log, grad_accum, compile_enabled)
         trainer.warmup()
-        ema = EMA(model, cfg.ema_decay) if cfg.ema_enabled else None
+        ema = EMA(model, cfg.ema_horizon, cfg.ema_decay) if cfg.ema_enabled else None
         steps, train_ms = trainer.train(scorer, ema)
         log(f"train_done steps:{steps} train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms")
         if d.device.type == "cuda":

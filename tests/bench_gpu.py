@@ -57,7 +57,7 @@ def main() -> None:
     trainer.warmup()
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
-    ema = tg.EMA(model, cfg.ema_decay) if cfg.ema_enabled else None
+    ema = tg.EMA(model, cfg.ema_horizon, cfg.ema_decay) if cfg.ema_enabled else None
     torch.cuda.reset_peak_memory_stats()
 
     def one_step(step: int, ev: list | None):
@@ -80,7 +80,7 @@ def main() -> None:
         if ev:
             ev[3].record()
         if ema is not None:
-            ema.update()
+            ema.update(1.0 / args.steps)
         if ev:
             ev[4].record()
         return host

@@ -57,7 +57,7 @@ REFERENCE_DEFAULTS = dict(
     matrix_lr=0.025, scalar_lr=0.025, tied_embed_lr=0.035, embed_lr=0.6, head_lr=0.008, muon_momentum=0.99,
     muon_momentum_warmup_start=0.92, muon_momentum_warmup_steps=1500, muon_backend_steps=5, muon_wd=0.04,
     adam_wd=0.04, beta1=0.9, beta2=0.95, adam_eps=1e-8, grad_clip_norm=0.3,
-    ema_enabled=True, ema_decay=0.997, late_qat_threshold=0.15,
+    ema_enabled=True, ema_horizon=0.05, ema_decay=0.0, late_qat_threshold=0.15,
     eval_seq_len=2048, eval_stride=64, val_loss_every=4000, val_batch_size=524288, train_log_every=500,
     compressor="auto",
 )
@@ -800,9 +800,13 @@ class FakeClock:
         return self.ms
 
 
+class _Record(list):
+    ema_deltas: list
+
+
 def _run_with_fake_clock(dataset, tokenizer_path, monkeypatch, step_ms, ema_ms, log_ms=0.0, **overrides):
     """Trainer.train with a fake clock: each step costs step_ms, each EMA update ema_ms, each logged loss log_ms."""
-    clock, lines, record = FakeClock(), [], []
+    clock, lines, record = FakeClock(), [], _Record()
     monkeypatch.setattr(tg, "_now", clock)
     tr = make_trainer(dataset, tokenizer_path, log=lines.append, **overrides)
 
@@ -815,8 +819,13 @@ def _run_with_fake_clock(dataset, tokenizer_path, monkeypatch, step_ms, ema_ms, 
         clock.ms += log_ms
         return float(loss)
     tr.step, tr.mean_loss = fake_step, fake_mean_loss
-    ema = types.SimpleNamespace(update=lambda: setattr(clock, "ms", clock.ms + ema_ms))
-    steps, train_ms = tr.train(scorer=None, ema=ema)
+    deltas = []
+
+    def ema_update(progress_delta):
+        deltas.append(progress_delta)
+        clock.ms += ema_ms
+    steps, train_ms = tr.train(scorer=None, ema=types.SimpleNamespace(update=ema_update))
+    record.ema_deltas = deltas
     return steps, train_ms, lines, record
 
 
@@ -831,6 +840,8 @@ def test_wallclock_cap_stops_at_the_last_step_that_fits(dataset, tokenizer_path,
     assert [r[1] for r in record] == pytest.approx([1, 1, 1, 1, 1, 1, 0.8, 0.6, 0.4, 0.2], abs=1e-9)
     assert [r[2] for r in record] == [False] * 8 + [True] * 2  # late QAT once lr scale < 0.5
     assert "late_qat:enabled step:8 lr_scale:0.4000" in lines
+    # EMA progress follows the agreed clock: step k's update carries the previous iteration's 100 ms of 1 s
+    assert record.ema_deltas == pytest.approx([0.0] + [0.1] * 9, abs=1e-12)
 
 
 def test_wallclock_cap_counts_per_step_overhead(dataset, tokenizer_path, monkeypatch):
@@ -850,6 +861,34 @@ def test_iteration_mode_runs_all_steps_with_warmdown(dataset, tokenizer_path, mo
     assert steps == 10 and train_ms == 70.0 and not any("stopping_early" in x for x in lines)
     assert [r[1] for r in record] == pytest.approx([1] * 7 + [0.75, 0.5, 0.25], abs=1e-12)
     assert not any(r[2] for r in record)  # LATE_QAT_THRESHOLD=0: never
+    assert record.ema_deltas == pytest.approx([0.1] * 10, abs=1e-12)  # progress by iteration: 1/ITERATIONS each
+
+
+def test_ema_horizon_is_a_fraction_of_the_run():
+    """An EMA with horizon h over N updates of progress 1/N weights update k (1-based) by (1-a) a^(N-k) and the
+    initial weights by a^N, a = exp(-1/(h N)); checked against that closed form, and the fixed-decay mode."""
+    torch.manual_seed(0)
+    for n, horizon in ((40, 0.05), (400, 0.05), (30, 0.2)):
+        model = torch.nn.Linear(3, 2)
+        ema = tg.EMA(model, horizon)
+        history = [torch.cat([p.detach().flatten() for p in model.parameters()]).double()]
+        for _ in range(n):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p))
+            history.append(torch.cat([p.detach().flatten() for p in model.parameters()]).double())
+            ema.update(1.0 / n)
+        a = math.exp(-1.0 / (horizon * n))
+        want = a ** n * history[0] + sum((1 - a) * a ** (n - k) * history[k] for k in range(1, n + 1))
+        got = torch.cat([s.flatten() for s in ema.shadow]).double()
+        assert torch.allclose(got, want, atol=1e-5), (n, horizon)
+    # the same horizon is the same fraction of the run at any length: weight of the last 5% of updates
+    for n in (1500, 7000):
+        a = tg.EMA(torch.nn.Linear(2, 2), 0.05).decay(1.0 / n)
+        assert 1 - a ** round(0.05 * n) == pytest.approx(1 - math.exp(-1), abs=1e-3)
+    fixed = tg.EMA(torch.nn.Linear(2, 2), 0.05, fixed_decay=0.997)
+    assert fixed.decay(0.5) == fixed.decay(1e-4) == 0.997
+    assert tg.EMA(torch.nn.Linear(2, 2), 0.05).decay(0.0) == 1.0
 
 
 # =============================================================================================
