@@ -95,6 +95,7 @@ class Hyperparameters:
     ve_dim: int = 128  # value-embedding table width (projected to the KV width)
     ve_layers: str = "9,10"  # comma-separated layer indices
     attn_backend: str = "auto"  # auto = fa3 if importable, else SDPA cudnn (CUDA) / math (CPU)
+    fp8_enabled: bool = False  # training bank matmuls in e4m3, per-row scales, bf16 backward; scoring stays bf16
     # --- optimizer
     matrix_lr: float = 0.025  # Muon lr for the four banks
     scalar_lr: float = 0.025  # AdamW lr for control tensors and small projections
@@ -692,6 +693,40 @@ def fake_quant_int6(w: Tensor, floor: float) -> Tensor:
     return w + (q - w).detach()
 
 
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def fp8_rowwise(t_MK: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row e4m3 quantisation: (values (M,K) fp8, scales (M,1) fp32) with t ~= values * scales."""
+    scale = t_MK.detach().abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) / FP8_MAX  # floor: zero rows
+    return (t_MK / scale).to(torch.float8_e4m3fn), scale
+
+
+class FP8Linear(torch.autograd.Function):
+    """F.linear with both operands rounded to e4m3 in the forward (x per token, w per output row, as
+    the rowwise scales of torch._scaled_mm: out = (xq @ wq.T) * sx * sw.T, fp32 accumulation), as in
+    torchao's rowwise float8 recipe; but the backward is the plain matmul pair on the saved unrounded
+    x and w in their compute dtype (bf16 on CUDA): a straight-through estimator for the rounding."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w_NK: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w_NK)
+        (xq, sx), (wq, sw) = fp8_rowwise(x.reshape(-1, x.size(-1))), fp8_rowwise(w_NK)
+        # CUDA wants wq column-major (wq.t() of the row-major (N,K) copy is) and dims divisible by 16
+        y = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.t(), out_dtype=x.dtype)
+        return y.view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, Tensor]:
+        x, w_NK = ctx.saved_tensors
+        g_MN = g.reshape(-1, g.size(-1))
+        return (g_MN @ w_NK).view(x.shape), g_MN.t() @ x.reshape(-1, x.size(-1))
+
+
+def fp8_linear(x: Tensor, w: Tensor) -> Tensor:
+    return FP8Linear.apply(x.to(w.dtype), w)  # x in the weights' compute dtype (bf16 under CUDA autocast)
+
+
 def orthogonal_(w: Tensor) -> Tensor:
     return nn.init.orthogonal_(w, gain=1.0)
 
@@ -792,6 +827,7 @@ class GPT(nn.Module):
         x0, skips = x, []
         dtype = torch.bfloat16 if torch.is_autocast_enabled(x.device.type) else x.dtype
         qo, kv, up, down = self.bank_weights(dtype)
+        linear = fp8_linear if cfg.fp8_enabled and self.training else F.linear  # scoring and TTT: bf16
         ve_BTK = None
         if cfg.ve_layer_list:
             ve_BTK = self.ve.proj(self.ve.embed(ids_BT))
@@ -805,9 +841,9 @@ class GPT(nn.Module):
             mix = blk.resid_mix.to(x.dtype)
             x = mix[0] * x + mix[1] * x0
             h = rms_norm(x) * ln
-            q = F.linear(h, qo[i]).view(B, T, H, hd)
-            k = F.linear(h, kv[i]).view(B, T, K, hd)
-            v = F.linear(h, kv[L + i])
+            q = linear(h, qo[i]).view(B, T, H, hd)
+            k = linear(h, kv[i]).view(B, T, K, hd)
+            v = linear(h, kv[L + i])
             if i in cfg.ve_layer_list:
                 v = v + ve_BTK * self.ve_layer_scales[cfg.ve_layer_list.index(i)].to(v.dtype)
             v = v.view(B, T, K, hd)
@@ -817,10 +853,10 @@ class GPT(nn.Module):
             y = attention(q, k, v, self.attn_backend)
             if i >= L - cfg.xsa_last_n:
                 y = exclusive_self_attention(y, v)
-            x = x + blk.attn_scale.to(x.dtype) * F.linear(y.reshape(B, T, H * hd), qo[L + i])
-            u = F.linear(rms_norm(x) * ln, up[i])
+            x = x + blk.attn_scale.to(x.dtype) * linear(y.reshape(B, T, H * hd), qo[L + i])
+            u = linear(rms_norm(x) * ln, up[i])
             u = F.leaky_relu(u, cfg.mlp_negative_slope) if cfg.mlp_negative_slope > 0 else F.relu(u)
-            x = x + blk.mlp_scale.to(x.dtype) * F.linear(u.square(), down[i])
+            x = x + blk.mlp_scale.to(x.dtype) * linear(u.square(), down[i])
             if i < self.num_encoder:
                 skips.append(x)
         return rms_norm(x)
@@ -864,6 +900,8 @@ def configure_sdpa(backend: str) -> None:
 def build_model(cfg: Hyperparameters, device: torch.device, attn_backend: str) -> GPT:
     """The one constructor for training and scoring models. Banks, linears and control tensors are
     fp32; on CUDA the three embedding tables are bf16 parameters as in the reference."""
+    if cfg.fp8_enabled and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("FP8_ENABLED=1 needs CUDA compute capability >= 8.9 (Ada, Hopper) or the CPU")
     model = GPT(cfg, attn_backend).to(device)
     if device.type == "cuda":
         for name, p in model.named_parameters():
