@@ -115,7 +115,7 @@ class Hyperparameters:
     grad_clip_norm: float = 0.3  # clip by the global norm of the reduced gradient (0 = off)
     # --- averaging / QAT
     ema_enabled: bool = True  # keep an EMA of all weights and export it
-    ema_horizon: float = 0.05  # EMA time constant as a fraction of the run (ITERATIONS, or the wallclock cap)
+    ema_horizon: float = 0.08  # EMA time constant as a fraction of the run (ITERATIONS, or the wallclock cap)
     ema_decay: float = 0.0  # fixed per-step decay instead (the reference's 0.997); 0 = from EMA_HORIZON
     late_qat_threshold: float = 0.15  # fake-quantize banks to int6 once lr scale < this (0 = off)
     # --- eval / logging / export
@@ -827,7 +827,8 @@ class GPT(nn.Module):
         x0, skips = x, []
         dtype = torch.bfloat16 if torch.is_autocast_enabled(x.device.type) else x.dtype
         qo, kv, up, down = self.bank_weights(dtype)
-        linear = fp8_linear if cfg.fp8_enabled and self.training else F.linear  # scoring and TTT: bf16
+        # FP8 only for plain training steps: scoring/TTT stay bf16, late QAT sees exactly the int6 grid
+        linear = fp8_linear if cfg.fp8_enabled and self.training and not self.qat_enabled else F.linear
         ve_BTK = None
         if cfg.ve_layer_list:
             ve_BTK = self.ve.proj(self.ve.embed(ids_BT))

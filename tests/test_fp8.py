@@ -128,3 +128,15 @@ def test_fp8_tiny_run_end_to_end(dataset, tokenizer_path, tmp_path):
     assert "setting fp8_enabled:True" in log
     m = re.search(r"^final_int6_sliding_window_exact val_loss:(\S+) val_bpb:(\S+)$", log, re.M)
     assert m and all(math.isfinite(float(v)) and float(v) > 0 for v in m.groups()), log[-2000:]
+
+
+def test_fp8_is_off_while_late_qat_trains():
+    """Late QAT must see exactly the exported int6 grid: with QAT on, the FP8 model's training loss equals the
+    plain model's bit for bit (and differs from its own QAT-off loss)."""
+    ref, fp8 = tiny_gpt(False), tiny_gpt(True)
+    g = torch.Generator().manual_seed(2)
+    ids, targets = torch.randint(0, 64, (2, 32), generator=g), torch.randint(0, 64, (2, 32), generator=g)
+    plain_fp8 = fp8(ids, targets)
+    ref.qat_enabled = fp8.qat_enabled = True
+    assert torch.equal(ref(ids, targets), fp8(ids, targets))
+    assert not torch.equal(fp8(ids, targets), plain_fp8)

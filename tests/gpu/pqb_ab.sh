@@ -1,0 +1,14 @@
+# A/B on nvidia-h200-x2: GPU 0 runs the PQB with env $A, GPU 1 with env $B (our defaults otherwise), each over
+# $SEEDS (default "1337 42") in turn, through ema_probe.py. Extra env for both as arguments. Logs: $OUT/<A|B><seed>.log
+source tests/gpu/setup.sh
+run() {  # gpu tag env...
+  local i=$1 tag=$2; shift 2
+  for seed in ${SEEDS:-1337 42}; do
+    mkdir -p /tmp/$tag$seed && cp train_gpt.py tests/gpu/ema_probe.py /tmp/$tag$seed/
+    (cd /tmp/$tag$seed && env CUDA_VISIBLE_DEVICES=$i RUN_ID=$tag$seed SEED=$seed TRAIN_BATCH_TOKENS=131072 ITERATIONS=1500 \
+      WARMDOWN_ITERS=750 MUON_MOMENTUM_WARMUP_STEPS=400 MAX_WALLCLOCK_SECONDS=0 VAL_LOSS_EVERY=0 EVAL_STRIDE=64 \
+      TRAIN_LOG_EVERY=250 "$@" python3 ema_probe.py > $OUT/$tag$seed.log 2>&1)
+  done
+}
+run 0 A $A "$@" & run 1 B $B "$@" & wait
+for f in $OUT/*.log; do echo "== $f"; grep -v "^setting\|^warmup_step\|^step:[0-9]/\|^versions\|^device" $f | tail -24; done
