@@ -172,7 +172,7 @@ class Hyperparameters:
         need(self.grad_accum_steps >= 0, "GRAD_ACCUM_STEPS must be >= 0 (0 = auto)")
         need(self.iterations >= 0 and self.warmup_steps >= 0, "ITERATIONS, WARMUP_STEPS >= 0")
         need(0.0 <= self.ema_decay < 1.0, "EMA_DECAY must be in [0, 1)")
-        need(self.ema_horizon > 0 or self.ema_decay > 0, "EMA_HORIZON must be > 0 (or set EMA_DECAY)")
+        need(not self.ema_enabled or self.ema_horizon > 0 or self.ema_decay > 0, "EMA_HORIZON must be > 0 (or set EMA_DECAY)")
         need(self.ttt_chunk_tokens > 0 and self.ttt_batch_seqs > 0 and self.ttt_epochs >= 0, "TTT_* sizes must be > 0")
         need(0 <= self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
 
@@ -703,10 +703,8 @@ def fp8_rowwise(t_MK: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class FP8Linear(torch.autograd.Function):
-    """F.linear with both operands rounded to e4m3 in the forward (x per token, w per output row, as
-    the rowwise scales of torch._scaled_mm: out = (xq @ wq.T) * sx * sw.T, fp32 accumulation), as in
-    torchao's rowwise float8 recipe; but the backward is the plain matmul pair on the saved unrounded
-    x and w in their compute dtype (bf16 on CUDA): a straight-through estimator for the rounding."""
+    """F.linear with x (per token) and w (per output row) rounded to e4m3 in the forward; the backward
+    is the plain matmul pair on the unrounded x, w (bf16 on CUDA): straight-through."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w_NK: Tensor) -> Tensor:
@@ -901,8 +899,12 @@ def configure_sdpa(backend: str) -> None:
 def build_model(cfg: Hyperparameters, device: torch.device, attn_backend: str) -> GPT:
     """The one constructor for training and scoring models. Banks, linears and control tensors are
     fp32; on CUDA the three embedding tables are bf16 parameters as in the reference."""
-    if cfg.fp8_enabled and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError("FP8_ENABLED=1 needs CUDA compute capability >= 8.9 (Ada, Hopper) or the CPU")
+    if cfg.fp8_enabled and device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError("FP8_ENABLED=1 needs CUDA compute capability >= 8.9 (Ada, Hopper) or the CPU")
+        dims = (cfg.model_dim, cfg.num_kv_heads * cfg.head_dim, int(cfg.mlp_mult * cfg.model_dim))
+        if any(n % 16 for n in dims):
+            raise ValueError(f"FP8_ENABLED=1 on CUDA needs bank dims divisible by 16, got {dims}")
     model = GPT(cfg, attn_backend).to(device)
     if device.type == "cuda":
         for name, p in model.named_parameters():
@@ -1307,8 +1309,8 @@ class Logger:
 class EMA:
     """Exponential moving average of all parameters in fp32, applied to the model after training.
     Its time constant is a fixed fraction of the run (progress 0..1, by iteration or by wallclock), so
-    the same setting fits a 1,500-step proxy run and a 7,000-step record run: decay = exp(-dp / horizon)
-    per step of progress dp. EMA_DECAY > 0 fixes the per-step decay instead."""
+    one setting scales with the run's length: decay = exp(-dp / horizon) per step of progress dp
+    (0.08 was best at 1,500 and 3,000 proxy steps). EMA_DECAY > 0 fixes the per-step decay instead."""
 
     def __init__(self, model: nn.Module, horizon: float, fixed_decay: float = 0.0):
         self.horizon, self.fixed_decay = horizon, fixed_decay
@@ -1329,15 +1331,16 @@ class EMA:
 
 
 def lr_scale_at(cfg: Hyperparameters, step: int, elapsed_ms: float) -> float:
-    """Linear warmdown over WARMDOWN_ITERS, by iteration, or (when capped) by wallclock: the warmdown
-    starts when the remaining time equals WARMDOWN_ITERS average steps."""
+    """Linear warmdown over the last WARMDOWN_ITERS iterations, or (when capped) over the last
+    WARMDOWN_ITERS average steps of wallclock, whichever budget ends first."""
     if cfg.warmdown_iters <= 0:
         return 1.0
+    by_step = min(1.0, max(0.0, (cfg.iterations - step) / cfg.warmdown_iters))
     if cfg.max_wallclock_seconds <= 0:
-        return min(1.0, max(0.0, (cfg.iterations - step) / cfg.warmdown_iters))
+        return by_step
     warmdown_ms = cfg.warmdown_iters * elapsed_ms / max(step, 1)
     remaining_ms = max(1000.0 * cfg.max_wallclock_seconds - elapsed_ms, 0.0)
-    return min(1.0, remaining_ms / max(warmdown_ms, 1e-9))
+    return min(by_step, remaining_ms / max(warmdown_ms, 1e-9))
 
 
 def muon_momentum_at(cfg: Hyperparameters, step: int) -> float:
@@ -1427,9 +1430,11 @@ class Trainer:
                 self.model.qat_enabled = True
                 log(f"late_qat:enabled step:{step} lr_scale:{lr_scale:.4f}")
             loss = self.step(step, lr_scale)
-            done = elapsed / cap_ms if cap_ms > 0 else (step + 1) / cfg.iterations
+            # progress by iteration or (capped) by the agreed clock, whichever is further; a stall counts
+            # as at most 3 average steps, so no single snapshot dominates the EMA
+            done = max((step + 1) / cfg.iterations, elapsed / cap_ms if cap_ms > 0 else 0.0)
             if ema is not None:
-                ema.update(done - progress)
+                ema.update(min(done - progress, 3 * done / (step + 1)))
             progress = done
             step += 1
             first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad)

@@ -116,6 +116,9 @@ def test_fp8_needs_compute_capability_8_9(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match="FP8_ENABLED"):
         tg.build_model(cfg, torch.device("cuda"), "math")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with pytest.raises(ValueError, match="divisible by 16"):  # CUDA _scaled_mm needs dims % 16 == 0
+        tg.build_model(dataclasses.replace(cfg, model_dim=520, num_heads=8, num_kv_heads=4), torch.device("cuda"), "math")
     small = dataclasses.replace(cfg, num_layers=1, model_dim=32, num_heads=2, num_kv_heads=1, rope_dims=8,
                                 vocab_size=64, bigram_vocab_size=0, ve_enabled=False, xsa_last_n=0)
     assert tg.build_model(small, torch.device("cpu"), "math").cfg.fp8_enabled  # the CPU runs it (tests)
@@ -140,3 +143,18 @@ def test_fp8_is_off_while_late_qat_trains():
     ref.qat_enabled = fp8.qat_enabled = True
     assert torch.equal(ref(ids, targets), fp8(ids, targets))
     assert not torch.equal(fp8(ids, targets), plain_fp8)
+
+
+def test_fp8_linear_compiles_fullgraph_like_eager():
+    """The trainer compiles the model with fullgraph=True: the autograd Function with _scaled_mm must trace, and
+    the compiled forward and backward must equal eager (fp32 on CPU inductor)."""
+    x, w = operands(torch.float32)
+    g = torch.randn(2, 32, 48, generator=torch.Generator().manual_seed(3))
+    results = []
+    for f in (tg.fp8_linear, torch.compile(tg.fp8_linear, fullgraph=True, dynamic=False)):
+        x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = f(x1, w1)
+        y.backward(g)
+        results.append((y.detach(), x1.grad, w1.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -37,7 +37,8 @@ class ProbeEMA(BaseEMA):
             e.update(progress_delta)
 
     def copy_to_model(self):
-        scorer, seq = captured["scorer"], int(os.environ.get("EVAL_SEQ_LEN", 2048))
+        scorer = captured["scorer"]
+        seq = scorer.cfg.eval_seq_len
         for v, e in zip(VALUES, self.extra):
             e.copy_to_model()
             s = scorer(self.model, seq)

@@ -1,5 +1,6 @@
-# A/B on nvidia-h200-x2: GPU 0 runs the PQB with env $A, GPU 1 with env $B (our defaults otherwise), each over
-# $SEEDS (default "1337 42") in turn, through ema_probe.py. Extra env for both as arguments. Logs: $OUT/<A|B><seed>.log
+# A/B on nvidia-h200-x2: the PQB with env $A and with env $B (our defaults otherwise) side by side, each over
+# $SEEDS (default "1337 42") in turn, through ema_probe.py: A on GPU 0, B on GPU 1 (their step times compare two
+# GPUs, so only a large gap means anything). Extra env for both as arguments. Logs: $OUT/<A|B><seed>.log
 source tests/gpu/setup.sh
 run() {  # gpu tag env...
   local i=$1 tag=$2; shift 2
