@@ -1,16 +1,22 @@
-# nvidia-h200-x2, one call for the speed issue's open figures (all on the same machine):
+# nvidia-h200-x2, the speed issue's open figures (all on one machine, in two calls: PART=bench, PART=curve):
 #  1. bench_gpu.py at the record config on GPU 0: default, FP8_ENABLED=1, TRAIN_SAMPLING=coprime
 #  2. the same default on 2 GPUs (scaling efficiency, optimizer with its communication)
 #  3. 50 record-config steps of train_gpt.py on 1 GPU vs 2 GPUs, same seed and global batch: per-step
 #     train_loss compared (bf16 tolerance); stops after training (ema_probe.py PROBE_STOP=1)
+# Each bench compiles for about 95 s, so PART=bench (1, 2) and PART=curve (3) fit one call each; VARIANTS
+# overrides the 1-GPU list (e.g. VARIANTS="TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1").
 SHARDS=${SHARDS:-2} source tests/gpu/setup.sh
-export MAX_WALLCLOCK_SECONDS=0
-for v in "" FP8_ENABLED=1 TRAIN_SAMPLING=coprime; do
+export MAX_WALLCLOCK_SECONDS=0 WARMUP_STEPS=${WARMUP_STEPS:-3}
+if [ "${PART:-bench}" = bench ]; then
+for v in ${VARIANTS:-default FP8_ENABLED=1 TRAIN_SAMPLING=coprime}; do
+  [ $v = default ] && v=""
   echo "== 1 GPU ${v:-default}"
   env CUDA_VISIBLE_DEVICES=0 $v python3 tests/bench_gpu.py --steps 10 2>&1 | grep -E "^bench|Error" | tee -a $OUT/issue4.log
 done
 echo "== 2 GPUs default"
 torchrun --standalone --nproc_per_node=2 tests/bench_gpu.py --steps 10 2>&1 | grep -E "^bench|Error" | tee -a $OUT/issue4.log
+exit 0
+fi
 mkdir -p /tmp/c && cp train_gpt.py tests/gpu/ema_probe.py /tmp/c/ && cd /tmp/c
 common="ITERATIONS=50 WARMDOWN_ITERS=20 TRAIN_LOG_EVERY=1 VAL_LOSS_EVERY=0 PROBE_STOP=1 PROBE_HORIZONS=0.08"
 env CUDA_VISIBLE_DEVICES=0 RUN_ID=c1 $common python3 ema_probe.py > $OUT/curve1.log 2>&1
