@@ -11,12 +11,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SCRIPT = ROOT / "train_gpt.py"
 TINY_VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of tiny models (`pytestmark = pytest.mark.usefixtures("one_thread")`): they gain nothing from
+    intra-op threads, and on a busy 2-core machine OpenMP threads waiting for each other made many small ops 50x
+    slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def write_shard(path: Path, tokens) -> None:

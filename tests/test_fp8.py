@@ -3,7 +3,6 @@ plain bf16 matmul, a GPT with FP8 on against the same weights with it off, and a
 states its tolerance."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import re
@@ -19,12 +18,7 @@ import train_gpt as tg
 E4M3 = torch.float8_e4m3fn
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def dequantised(t: torch.Tensor) -> torch.Tensor:

@@ -30,14 +30,7 @@ CPU = torch.device("cpu")
 V = 512
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP threads
-    waiting for each other made the many small ops here 50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_cfg(**kw) -> tg.Hyperparameters:

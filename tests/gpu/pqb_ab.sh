@@ -6,9 +6,7 @@ run() {  # gpu tag env...
   local i=$1 tag=$2; shift 2
   for seed in ${SEEDS:-1337 42}; do
     mkdir -p /tmp/$tag$seed && cp train_gpt.py tests/gpu/ema_probe.py /tmp/$tag$seed/
-    (cd /tmp/$tag$seed && env CUDA_VISIBLE_DEVICES=$i RUN_ID=$tag$seed SEED=$seed TRAIN_BATCH_TOKENS=131072 ITERATIONS=1500 \
-      WARMDOWN_ITERS=750 MUON_MOMENTUM_WARMUP_STEPS=400 MAX_WALLCLOCK_SECONDS=0 VAL_LOSS_EVERY=0 EVAL_STRIDE=64 \
-      TRAIN_LOG_EVERY=250 "$@" python3 ema_probe.py > $OUT/$tag$seed.log 2>&1)
+    (cd /tmp/$tag$seed && env CUDA_VISIBLE_DEVICES=$i RUN_ID=$tag$seed SEED=$seed $PQB "$@" python3 ema_probe.py > $OUT/$tag$seed.log 2>&1)
   done
 }
 run 0 A $A "$@" & run 1 B $B "$@" & wait

@@ -5,9 +5,7 @@ source tests/gpu/setup.sh
 for i in 0 1; do
   seed=$([ $i = 0 ] && echo 1337 || echo 42)
   mkdir -p /tmp/q$i && cp train_gpt.py tests/gpu/ema_probe.py /tmp/q$i/
-  (cd /tmp/q$i && env CUDA_VISIBLE_DEVICES=$i RUN_ID=pqb$seed SEED=$seed TRAIN_BATCH_TOKENS=131072 ITERATIONS=1500 \
-    WARMDOWN_ITERS=750 MUON_MOMENTUM_WARMUP_STEPS=400 MAX_WALLCLOCK_SECONDS=0 VAL_LOSS_EVERY=0 EVAL_STRIDE=64 \
-    TRAIN_LOG_EVERY=250 "$@" python3 ema_probe.py > $OUT/pqb$seed.log 2>&1; cp final_model.int6.ptz $OUT/pqb$seed.ptz 2>/dev/null) &
+  (cd /tmp/q$i && env CUDA_VISIBLE_DEVICES=$i RUN_ID=pqb$seed SEED=$seed $PQB "$@" python3 ema_probe.py > $OUT/pqb$seed.log 2>&1; cp final_model.int6.ptz $OUT/pqb$seed.ptz 2>/dev/null) &
 done
 wait
 for s in 1337 42; do echo "== seed $s"; grep -v "^setting\|^warmup_step" $OUT/pqb$s.log | tail -40; done

@@ -4,3 +4,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export DATA_PATH=/tmp/pg/datasets/proxy_sp1024 TOKENIZER_PATH=/tmp/pg/tokenizers/fineweb_1024_bpe.model PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__)"
+# the PQB settings (REFERENCE.md) shared by pqb.sh, pqb_pair.sh and pqb_ab.sh
+PQB="TRAIN_BATCH_TOKENS=131072 ITERATIONS=1500 WARMDOWN_ITERS=750 MUON_MOMENTUM_WARMUP_STEPS=400 MAX_WALLCLOCK_SECONDS=0 VAL_LOSS_EVERY=0 EVAL_STRIDE=64 TRAIN_LOG_EVERY=250"
