@@ -593,8 +593,10 @@ class TrainLoader:
     """Global batch = TRAIN_BATCH_TOKENS / TRAIN_SEQ_LEN sequences (TRAIN_SAMPLING order); micro-step
     m of rank r takes sequences [(m * world + r) * s, ...+ s). The set of sequences per step is
     therefore independent of world size and accumulation split (the reference's per-rank spans were
-    not). A background thread assembles the next step's batch into pinned memory while the GPU runs;
-    host-to-device copies are asynchronous."""
+    not). Prefetch one step ahead: next_batch() hands out the batch copied during the previous call and
+    queues the next one, assembled on the host into one of two pinned buffers and copied on a side
+    stream while the GPU works. The host work runs in the caller's thread, inside the GPU's queue: a
+    worker thread measured worse, its CUDA calls stalled behind the main thread's blocked launches."""
 
     def __init__(self, files: list[str], cfg: Hyperparameters, d: Dist, grad_accum: int):
         sampler = CoprimeSampler if cfg.train_sampling == "coprime" else SequentialSampler
@@ -602,39 +604,48 @@ class TrainLoader:
         self.seq_len, self.seqs_per_step = cfg.train_seq_len, cfg.train_batch_tokens // cfg.train_seq_len
         self.d, self.grad_accum = d, grad_accum
         self.seqs_per_micro = self.seqs_per_step // (d.world_size * grad_accum)
-        self.pool = ThreadPoolExecutor(1)
-        self.pending, self.pending_state = None, None  # the prefetched batch and the position it starts at
+        self.ahead = None  # (sampler state before it, x, y, copy-done event) of the prefetched step
+        if d.device.type == "cuda":
+            shape = (grad_accum * self.seqs_per_micro, self.seq_len)
+            self.host = [[torch.empty(shape, dtype=torch.int64, pin_memory=True) for _ in "xy"] for _ in "ab"]
+            self.copied = [torch.cuda.Event(), torch.cuda.Event()]  # last copy out of each pinned pair
+            self.stream, self.flip = torch.cuda.Stream(d.device), 0
 
-    def _host_batch(self) -> list[tuple[Tensor, Tensor]]:
-        seqs = torch.from_numpy(self.sampler.take_sequences(self.seqs_per_step).astype(np.int64))
-        out, s = [], self.seqs_per_micro
-        for m in range(self.grad_accum):
-            lo = (m * self.d.world_size + self.d.rank) * s
-            x, y = seqs[lo: lo + s, :-1], seqs[lo: lo + s, 1:]
-            if self.d.device.type == "cuda":
-                x, y = x.pin_memory(), y.pin_memory()
-            out.append((x, y))
-        return out
+    def _load(self) -> tuple:
+        state = copy.deepcopy(self.sampler.state_dict())
+        seqs, s, W = self.sampler.take_sequences(self.seqs_per_step), self.seqs_per_micro, self.d.world_size
+        mine = np.concatenate([seqs[(m * W + self.d.rank) * s:][:s] for m in range(self.grad_accum)])
+        if self.d.device.type != "cuda":
+            t = torch.from_numpy(mine.astype(np.int64))
+            return state, t[:, :-1].contiguous(), t[:, 1:].contiguous(), None
+        self.flip ^= 1
+        hx, hy = self.host[self.flip]
+        done = self.copied[self.flip]
+        done.synchronize()  # the copy that last read this pair (two steps ago) is finished
+        np.copyto(hx.numpy(), mine[:, :-1])
+        np.copyto(hy.numpy(), mine[:, 1:])
+        with torch.cuda.stream(self.stream):
+            x, y = hx.to(self.d.device, non_blocking=True), hy.to(self.d.device, non_blocking=True)
+            done.record()
+        return state, x, y, done
 
     def next_batch(self) -> list[tuple[Tensor, Tensor]]:
-        if self.pending is None:
-            self._prefetch()
-        batch = self.pending.result()
-        self._prefetch()
-        return [(x.to(self.d.device, non_blocking=True), y.to(self.d.device, non_blocking=True)) for x, y in batch]
-
-    def _prefetch(self) -> None:
-        self.pending_state = copy.deepcopy(self.sampler.state_dict())
-        self.pending = self.pool.submit(self._host_batch)
+        if self.ahead is None:
+            self.ahead = self._load()
+        _, x, y, done = self.ahead
+        self.ahead = self._load()
+        if done is not None:  # the compute stream waits for the copy; the memory is freed after its use
+            torch.cuda.current_stream().wait_event(done)
+            x.record_stream(torch.cuda.current_stream()), y.record_stream(torch.cuda.current_stream())
+        s = self.seqs_per_micro
+        return [(x[m * s:(m + 1) * s], y[m * s:(m + 1) * s]) for m in range(self.grad_accum)]
 
     def state_dict(self) -> dict:
         """Position of the next batch next_batch() will return."""
-        return copy.deepcopy(self.pending_state if self.pending is not None else self.sampler.state_dict())
+        return copy.deepcopy(self.ahead[0] if self.ahead is not None else self.sampler.state_dict())
 
     def load_state_dict(self, s: dict) -> None:
-        if self.pending is not None:
-            self.pending.result()  # let the worker finish before moving the sampler
-            self.pending = None
+        self.ahead = None
         self.sampler.load_state_dict(copy.deepcopy(s))
 
 
@@ -654,15 +665,21 @@ def rms_norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
 
-def apply_rope(x_BTHD: Tensor, rope_dims: int, base: float) -> Tensor:
-    """Rotate the first rope_dims channels of each head (half-split pairs); the rest pass through."""
-    if rope_dims == 0:
+def rope_tables(seq_len: int, rope_dims: int, base: float) -> tuple[Tensor, Tensor]:
+    """cos and sin (seq_len, rope_dims/2) in fp32, made once: computed inside the compiled kernels
+    their pow/sin/cos cost more than the loads they replace."""
+    inv_freq = 1.0 / base ** (torch.arange(0, rope_dims, 2, dtype=torch.float32) / rope_dims)
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor) -> Tensor:
+    """Rotate the first 2F channels of each head (half-split pairs); the rest pass through."""
+    T, half = x_BTHD.size(1), cos_TF.size(1)
+    if half == 0:
         return x_BTHD
-    T, half = x_BTHD.size(1), rope_dims // 2
-    inv_freq = 1.0 / base ** (torch.arange(0, rope_dims, 2, device=x_BTHD.device, dtype=torch.float32) / rope_dims)
-    freqs = torch.outer(torch.arange(T, device=x_BTHD.device, dtype=torch.float32), inv_freq)
-    cos, sin = freqs.cos()[None, :, None, :].to(x_BTHD.dtype), freqs.sin()[None, :, None, :].to(x_BTHD.dtype)
-    x1, x2, rest = x_BTHD[..., :half], x_BTHD[..., half:rope_dims], x_BTHD[..., rope_dims:]
+    cos, sin = (t[:T, None, :].to(x_BTHD.dtype) for t in (cos_TF, sin_TF))
+    x1, x2, rest = x_BTHD[..., :half], x_BTHD[..., half:2 * half], x_BTHD[..., 2 * half:]
     return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, rest), dim=-1)
 
 
@@ -753,6 +770,9 @@ class GPT(nn.Module):
         self.mlp_up_bank = nn.Parameter(torch.empty(L, mlp_dim, D))
         self.mlp_down_bank = nn.Parameter(torch.empty(L, D, mlp_dim))
         self.blocks = nn.ModuleList(Block(D, cfg.num_heads, cfg.qk_gain_init) for _ in range(L))
+        rope = rope_tables(max(cfg.train_seq_len, cfg.eval_seq_len), cfg.rope_dims, cfg.rope_base)
+        self.register_buffer("rope_cos", rope[0], persistent=False)  # not in state_dict or the artifact
+        self.register_buffer("rope_sin", rope[1], persistent=False)
         self.num_encoder = L // 2  # U-Net: first half pushes skips, second half pops them
         self.skip_weights = nn.Parameter(torch.ones(min(self.num_encoder, L - self.num_encoder), D))
         if cfg.bigram_vocab_size > 0:  # BigramHash (PR #162 lineage)
@@ -832,6 +852,8 @@ class GPT(nn.Module):
             ve_BTK = self.ve.proj(self.ve.embed(ids_BT))
             ve_BTK = ve_BTK * self.ve.scale.to(ve_BTK.dtype)
         B, T, _ = x.shape
+        if T > self.rope_cos.size(0):
+            raise ValueError(f"sequence length {T} > max(TRAIN_SEQ_LEN, EVAL_SEQ_LEN) = {self.rope_cos.size(0)}")
         H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         for i, blk in enumerate(self.blocks):
             if i >= self.num_encoder and skips:
@@ -846,8 +868,8 @@ class GPT(nn.Module):
             if i in cfg.ve_layer_list:
                 v = v + ve_BTK * self.ve_layer_scales[cfg.ve_layer_list.index(i)].to(v.dtype)
             v = v.view(B, T, K, hd)
-            q = apply_rope(rms_norm(q), cfg.rope_dims, cfg.rope_base)
-            k = apply_rope(rms_norm(k), cfg.rope_dims, cfg.rope_base)
+            q = apply_rope(rms_norm(q), self.rope_cos, self.rope_sin)
+            k = apply_rope(rms_norm(k), self.rope_cos, self.rope_sin)
             q = q * blk.q_gain.to(q.dtype)[:, None]
             y = attention(q, k, v, self.attn_backend)
             if i >= L - cfg.xsa_last_n:
@@ -885,8 +907,14 @@ def resolve_attn_backend(cfg: Hyperparameters, device: torch.device) -> str:
     return "fa3" if importlib.util.find_spec("flash_attn_interface") else "cudnn"
 
 
-def configure_sdpa(backend: str) -> None:
-    """Pin PyTorch SDPA to one kernel so a silent fallback cannot change speed."""
+def configure_cuda(backend: str) -> None:
+    """Pin PyTorch SDPA to one kernel so a silent fallback cannot change speed; turn off inductor's
+    mix-order reductions unless TORCHINDUCTOR_MIX_ORDER_REDUCTION is set: they fused the rms_norm
+    backward with up to 8 per-channel gradient sums into one latency-bound kernel (3.7 ms where its
+    bytes need 0.3 on an H200, torch 2.11); off, the record step went from 604 to 583 ms."""
+    import torch._inductor.config as inductor_config
+    if "TORCHINDUCTOR_MIX_ORDER_REDUCTION" not in os.environ and hasattr(inductor_config.triton, "mix_order_reduction"):
+        inductor_config.triton.mix_order_reduction = False
     if not torch.cuda.is_available():
         return
     b = torch.backends.cuda
@@ -1498,7 +1526,7 @@ def main() -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     attn_backend = resolve_attn_backend(cfg, d.device)
-    configure_sdpa(attn_backend)
+    configure_cuda(attn_backend)
     compile_enabled = cfg.compile_enabled == "1" or (cfg.compile_enabled == "auto" and d.device.type == "cuda")
     grad_accum = resolve_grad_accum(cfg, d.world_size)
     log(f"layout world_size:{d.world_size} grad_accum_steps:{grad_accum} attn_backend:{attn_backend} "

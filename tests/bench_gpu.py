@@ -35,6 +35,78 @@ def step_flops(cfg: tg.Hyperparameters, model: torch.nn.Module) -> float:
     return 6.0 * matmul * tokens + attn
 
 
+KERNEL_KINDS = (("attention", ("cudnn", "fmha", "flash", "sdpa", "attention")),
+                ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "splitk")), ("triton", ("triton_",)))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def kernel_summary(trace_path: str, steps: int, top: int = 70) -> list[str]:
+    """Per-step GPU time from a torch.profiler chrome trace: by kind (attention, gemm, triton, memset,
+    memcpy, other), idle time between GPU ops, the top kernels by full name, and for each memset the
+    innermost CPU op that issued it (through the runtime call's correlation id)."""
+    import bisect
+    import json
+    from collections import Counter, defaultdict
+    ev = [e for e in json.load(open(trace_path))["traceEvents"] if e.get("ph") == "X"]
+    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    kinds, names = Counter(), Counter()
+    for e in gpu:
+        kind = {"gpu_memset": "memset", "gpu_memcpy": "memcpy"}.get(e["cat"]) or kernel_kind(e["name"])
+        kinds[kind] += e["dur"]
+        names[(kind, e["name"])] += e["dur"]
+    gpu.sort(key=lambda e: e["ts"])
+    busy, end, last, gaps = 0.0, gpu[0]["ts"], gpu[0], []
+    for e in gpu:
+        a, b = e["ts"], e["ts"] + e["dur"]
+        busy += max(0.0, b - max(a, end))
+        if a > end:
+            gaps.append((a - end, last["name"][:60], e["name"][:60]))
+        if b > end:
+            end, last = b, e
+    wall = end - gpu[0]["ts"]
+    small = sum(g for g, _, _ in gaps if g < 20)
+    out = [f"kernels per_step_ms wall:{wall / steps / 1e3:.2f} busy:{busy / steps / 1e3:.2f} idle:{(wall - busy) / steps / 1e3:.2f} "
+           + " ".join(f"{k}:{v / steps / 1e3:.2f}" for k, v in kinds.most_common())
+           + f" gpu_ops:{len(gpu) // steps} gaps:{len(gaps) // steps} idle_in_gaps_under_20us:{small / steps / 1e3:.2f}"]
+    for g, before, after in sorted(gaps, reverse=True)[:8]:
+        out.append(f"gap {g:8.1f} us after {before} before {after}")
+    counts = Counter(e["name"] for e in gpu)
+    for (kind, name), t in names.most_common(top):
+        out.append(f"kernel {kind} {t / steps / 1e3:8.3f} ms/step {counts[name] // steps:5d}/step {name[:160]}")
+    # who issues the memsets: correlation id -> runtime call -> innermost enclosing CPU op on its thread
+    ops = defaultdict(list)
+    for e in ev:
+        if e.get("cat") == "cpu_op":
+            ops[e["tid"]].append((e["ts"], -(e["ts"] + e["dur"]), e["name"]))  # outer before inner
+    for v in ops.values():
+        v.sort()
+    runtime = {e["args"].get("correlation"): e for e in ev if e.get("cat") == "cuda_runtime"}
+    issuers, sizes = Counter(), Counter()
+    for e in gpu:
+        if e["cat"] != "gpu_memset":
+            continue
+        sizes[e.get("args", {}).get("bytes", -1)] += 1
+        r, who = runtime.get(e.get("args", {}).get("correlation")), "?"
+        if r is not None:
+            lst = ops[r["tid"]]
+            top = i = bisect.bisect_right(lst, (r["ts"], float("inf"), "")) - 1
+            chain = []
+            while i >= 0 and len(chain) < 3 and top - i < 20000:  # the innermost three enclosing ops
+                if -lst[i][1] >= r["ts"]:
+                    chain.append(lst[i][2][:50])
+                i -= 1
+            who = " < ".join(chain) or "?"
+        issuers[who] += e["dur"]
+    for who, t in issuers.most_common(10):
+        out.append(f"memset_issuer {t / steps / 1e3:8.3f} ms/step {who}")
+    out.append("memset_bytes " + " ".join(f"{b}x{n // steps}" for b, n in sizes.most_common(12)))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
@@ -47,7 +119,7 @@ def main() -> None:
         raise SystemExit("bench_gpu.py needs CUDA")
     torch.backends.cuda.matmul.allow_tf32 = True
     attn = tg.resolve_attn_backend(cfg, d.device)
-    tg.configure_sdpa(attn)
+    tg.configure_cuda(attn)
     accum = tg.resolve_grad_accum(cfg, d.world_size)
     model = tg.build_model(cfg, d.device, attn)
     loader = tg.TrainLoader(tg.shard_files(cfg.data_path, "train"), cfg, d, accum)
@@ -131,6 +203,10 @@ def main() -> None:
         if d.is_main:
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=int(os.environ.get("PROFILE_ROWS", 30)),
                                             max_name_column_width=70))
+            trace = os.environ.get("PROFILE_TRACE", "/tmp/bench_trace.json")
+            prof.export_chrome_trace(trace)
+            for line in kernel_summary(trace, 3):
+                print(line)
     if tg._distributed():
         torch.distributed.destroy_process_group()
 
