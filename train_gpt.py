@@ -309,12 +309,6 @@ def newton_schulz(G_BMN: Tensor, steps: int, eps: float = 1e-7, dtype: torch.dty
     return X.mT if tall else X
 
 
-def muon_update(grad: Tensor, momentum_buf: Tensor, momentum: float, ns_steps: int) -> Tensor:
-    """Nesterov momentum (in place on momentum_buf) then orthogonalisation in the momentum's dtype."""
-    momentum_buf.mul_(momentum).add_(grad)
-    return newton_schulz(grad.add(momentum_buf, alpha=momentum), ns_steps, dtype=momentum_buf.dtype)
-
-
 class ParallelMuon(torch.optim.Optimizer):
     """Muon over 3-D parameter banks, sharded over ranks along the bank dimension (PR #399).
 
@@ -367,12 +361,16 @@ class ParallelMuon(torch.optim.Optimizer):
     def step(self) -> None:
         group = self.param_groups[0]
         lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
-        previous = None
         for p, shard, _ in self.pending:
-            state = self.state[p]
-            if "momentum" not in state:
-                state["momentum"] = torch.zeros_like(shard)
-            update = muon_update(shard, state["momentum"], mom, group["ns_steps"])
+            if "momentum" not in self.state[p]:
+                self.state[p]["momentum"] = torch.zeros_like(shard)
+        bufs, shards = [self.state[p]["momentum"] for p, _, _ in self.pending], [s for _, s, _ in self.pending]
+        torch._foreach_mul_(bufs, mom)  # buf = mu * buf + g, then Nesterov u = g + mu * buf (one launch each)
+        torch._foreach_add_(bufs, shards)
+        nesterov = torch._foreach_add(shards, bufs, alpha=mom)
+        previous = None
+        for (p, _, _), u, buf in zip(self.pending, nesterov, bufs):
+            update = newton_schulz(u, group["ns_steps"], dtype=buf.dtype)  # in the momentum's dtype
             if self.world_size == 1:
                 work, full = None, update
             else:

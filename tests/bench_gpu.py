@@ -77,6 +77,20 @@ def kernel_summary(trace_path: str, steps: int, top: int = 70) -> list[str]:
     counts = Counter(e["name"] for e in gpu)
     for (kind, name), t in names.most_common(top):
         out.append(f"kernel {kind} {t / steps / 1e3:8.3f} ms/step {counts[name] // steps:5d}/step {name[:160]}")
+    # the optimizer's GPU span (record_function in one_step): busy time and its top kernels
+    spans = [e for e in ev if e.get("cat") == "gpu_user_annotation" and e["name"] == "optimizer"]
+    inside, span_us, busy_us = Counter(), 0.0, 0.0
+    for a in spans:
+        ops = [e for e in gpu if a["ts"] <= e["ts"] < a["ts"] + a["dur"]]
+        span_us += a["dur"]
+        busy_us += sum(e["dur"] for e in ops)
+        for e in ops:
+            inside[e["name"]] += e["dur"]
+    if spans:
+        out.append(f"optimizer per_step_ms span:{span_us / len(spans) / 1e3:.3f} kernels:{busy_us / len(spans) / 1e3:.3f} "
+                   f"ops:{sum(1 for a in spans for e in gpu if a['ts'] <= e['ts'] < a['ts'] + a['dur']) // len(spans)}")
+        for name, t in inside.most_common(12):
+            out.append(f"optimizer_kernel {t / len(spans) / 1e3:7.3f} ms/step {name[:110]}")
     # who issues the memsets: correlation id -> runtime call -> innermost enclosing CPU op on its thread
     ops = defaultdict(list)
     for e in ev:
@@ -147,8 +161,9 @@ def main() -> None:
             (loss / accum).backward()
         if ev:
             ev[2].record()
-        trainer.opt.step()
-        trainer.opt.zero_grad()
+        with torch.profiler.record_function("optimizer"):  # its GPU span in the --profile summary
+            trainer.opt.step()
+            trainer.opt.zero_grad()
         if ev:
             ev[3].record()
         if ema is not None:
