@@ -1543,7 +1543,11 @@ def main() -> int:
     log(f"model_params:{sum(p.numel() for p in model.parameters())}")
     artifact = Path(cfg.eval_only or cfg.artifact_path)
     if not cfg.eval_only:
-        loader = TrainLoader(shard_files(cfg.data_path, "train"), cfg, d, grad_accum)
+        files = shard_files(cfg.data_path, "train")
+        tokens = sum((Path(f).stat().st_size - HEADER_BYTES) // 2 for f in files)  # each is checked when opened
+        log(f"train_data shards:{len(files)} tokens:{tokens} epochs_at_max_iterations:"
+            f"{cfg.iterations * cfg.train_batch_tokens / max(tokens, 1):.2f} sampling:{cfg.train_sampling}")
+        loader = TrainLoader(files, cfg, d, grad_accum)
         trainer = Trainer(cfg, d, model, loader, log, grad_accum, compile_enabled)
         trainer.warmup()
         ema = EMA(model, cfg.ema_horizon, cfg.ema_decay) if cfg.ema_enabled else None
