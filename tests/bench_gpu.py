@@ -126,23 +126,34 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--qat-check", action="store_true", help="compiled loss with late QAT off vs on, same batch")
+    ap.add_argument("--curve", type=int, default=0, help="instead of timing: N trained steps, print each step's loss")
     args = ap.parse_args()
     cfg, _ = tg.Hyperparameters.from_env()
     d = tg.init_distributed(cfg)
-    if d.device.type != "cuda":
-        raise SystemExit("bench_gpu.py needs CUDA")
+    if d.device.type != "cuda" and not args.curve:
+        raise SystemExit("bench_gpu.py needs CUDA (only --curve runs on the CPU)")
     torch.backends.cuda.matmul.allow_tf32 = True
     attn = tg.resolve_attn_backend(cfg, d.device)
     tg.configure_cuda(attn)
     accum = tg.resolve_grad_accum(cfg, d.world_size)
+    torch.manual_seed(cfg.seed)  # as train_gpt.main: every rank builds the same initial weights
     model = tg.build_model(cfg, d.device, attn)
     loader = tg.TrainLoader(tg.shard_files(cfg.data_path, "train"), cfg, d, accum)
     compile_enabled = cfg.compile_enabled != "0"
     trainer = tg.Trainer(cfg, d, model, loader, tg.Logger(cfg.run_id, False), accum, compile_enabled)
     t0 = time.perf_counter()
     trainer.warmup()
-    torch.cuda.synchronize()
+    if d.device.type == "cuda":
+        torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
+    if args.curve:  # the schedule as train_gpt.py runs it without a wallclock cap; mean loss over ranks
+        for step in range(args.curve):
+            loss = trainer.mean_loss(trainer.step(step, tg.lr_scale_at(cfg, step, 0.0)))
+            if d.is_main:
+                print(f"curve step:{step + 1} loss:{loss:.6f}")
+        if tg._distributed():
+            torch.distributed.destroy_process_group()
+        return
     ema = tg.EMA(model, cfg.ema_horizon, cfg.ema_decay) if cfg.ema_enabled else None
     torch.cuda.reset_peak_memory_stats()
 

@@ -1,8 +1,8 @@
 # nvidia-h200-x2, the speed issue's open figures (all on one machine, in two calls: PART=bench, PART=curve):
 #  1. bench_gpu.py at the record config on GPU 0: default, FP8_ENABLED=1, TRAIN_SAMPLING=coprime
 #  2. the same default on 2 GPUs (scaling efficiency, optimizer with its communication)
-#  3. 50 record-config steps of train_gpt.py on 1 GPU vs 2 GPUs, same seed and global batch: per-step
-#     train_loss compared (bf16 tolerance); stops after training (ema_probe.py PROBE_STOP=1)
+#  3. 50 record-config steps on 1 GPU vs 2 GPUs (bench_gpu.py --curve: same seed, global batch and
+#     schedule): per-step loss compared (bf16 tolerance), no scoring
 # Each bench compiles for about 95 s, so PART=bench (1, 2) and PART=curve (3) fit one call each; VARIANTS
 # overrides the 1-GPU list (e.g. VARIANTS="TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1").
 SHARDS=${SHARDS:-2} source tests/gpu/setup.sh
@@ -17,13 +17,15 @@ echo "== 2 GPUs default"
 torchrun --standalone --nproc_per_node=2 tests/bench_gpu.py --steps 10 2>&1 | grep -E "^bench|Error" | tee -a $OUT/issue4.log
 exit 0
 fi
-mkdir -p /tmp/c && cp train_gpt.py tests/gpu/ema_probe.py /tmp/c/ && cd /tmp/c
-common="ITERATIONS=50 WARMDOWN_ITERS=20 TRAIN_LOG_EVERY=1 VAL_LOSS_EVERY=0 PROBE_STOP=1 PROBE_HORIZONS=0.08"
-env CUDA_VISIBLE_DEVICES=0 RUN_ID=c1 $common python3 ema_probe.py > $OUT/curve1.log 2>&1
-env RUN_ID=c2 $common torchrun --standalone --nproc_per_node=2 ema_probe.py > $OUT/curve2.log 2>&1
+export ITERATIONS=50 WARMDOWN_ITERS=20 LATE_QAT_THRESHOLD=0
+env CUDA_VISIBLE_DEVICES=0 python3 tests/bench_gpu.py --curve 50 > $OUT/curve1.log 2>&1
+torchrun --standalone --nproc_per_node=2 tests/bench_gpu.py --curve 50 > $OUT/curve2.log 2>&1
 python3 - $OUT/curve1.log $OUT/curve2.log <<'PY' | tee -a $OUT/issue4.log
 import re, sys
-a, b = ([float(x) for x in re.findall(r"^step:\d+/50 train_loss:([\d.]+)", open(f).read(), re.M)] for f in sys.argv[1:])
+a, b = ([float(x) for x in re.findall(r"^curve step:\d+ loss:([\d.]+)", open(f).read(), re.M)] for f in sys.argv[1:])
 d = [abs(x - y) / x for x, y in zip(a, b)]
-print(f"curve steps:{len(a)}/{len(b)} max_rel_diff:{max(d):.2e} at_step:{d.index(max(d)) + 1} last:{a[-1]:.4f}/{b[-1]:.4f}")
+print(f"curve steps:{len(a)}/{len(b)} max_rel_diff:{max(d):.2e} at_step:{d.index(max(d)) + 1} "
+      f"first10_max:{max(d[:10]):.2e} last:{a[-1]:.4f}/{b[-1]:.4f}")
+for i in (0, 1, 4, 9, 19, 29, 39, 49):
+    print(f"curve step:{i + 1} one_gpu:{a[i]:.6f} two_gpus:{b[i]:.6f} rel:{d[i]:.2e}")
 PY
