@@ -531,6 +531,30 @@ def test_banked_model_equals_plain_per_layer_model(name):
     torch.testing.assert_close(loss, F.cross_entropy(want.flatten(0, 1), targets.flatten()), rtol=1e-5, atol=1e-6)
 
 
+def test_rope_tables_cover_the_longest_sequence_and_refuse_longer():
+    cfg = make_cfg(TRAIN_SEQ_LEN=16, EVAL_SEQ_LEN=24, EVAL_STRIDE=8)
+    model = tg.GPT(cfg)
+    assert model.rope_cos.shape == model.rope_sin.shape == (24, cfg.rope_dims // 2)
+    assert "rope_cos" not in model.state_dict()  # rebuilt from the config, never exported
+    with torch.no_grad():
+        assert model.logits(torch.zeros(1, 24, dtype=torch.long)).shape == (1, 24, cfg.vocab_size)
+        with pytest.raises(ValueError, match="sequence length 25 > max"):
+            model.logits(torch.zeros(1, 25, dtype=torch.long))
+
+
+def test_configure_cuda_turns_mix_order_reductions_off_unless_the_env_sets_them(monkeypatch):
+    import torch._inductor.config as ic
+    if not hasattr(ic.triton, "mix_order_reduction"):
+        pytest.skip("this torch has no mix-order reductions")
+    monkeypatch.setattr(ic.triton, "mix_order_reduction", True)
+    monkeypatch.setenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION", "1")
+    tg.configure_cuda("math")
+    assert ic.triton.mix_order_reduction is True  # the user's explicit choice stands
+    monkeypatch.delenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION")
+    tg.configure_cuda("math")
+    assert ic.triton.mix_order_reduction is False
+
+
 @pytest.mark.parametrize("name", ["full", "mha"])
 def test_model_is_causal(name):
     model = random_model(name)
@@ -1012,6 +1036,9 @@ def test_two_process_run_matches_one_process_and_logs_everything(seed_runs, data
         names = [ln.split()[1].split(":")[0] for ln in log.splitlines() if ln.startswith("setting ")]
         assert names == sorted(names) and set(names) == {f.name for f in dataclasses.fields(tg.Hyperparameters)}
         assert "setting num_layers:2" in log and "setting model_dim:32" in log
+        tokens = sum(len(tg.open_shard(f, TINY_VOCAB)) for f in tg.shard_files(str(dataset), "train"))
+        assert f"train_data shards:2 tokens:{tokens} epochs_at_max_iterations:{20 * 512 / tokens:.2f} " \
+               "sampling:sequential" in log
         assert len(LOSS_LINE.findall(log)) == 20
         assert re.search(r"^train_done steps:20 train_time:\d+ms step_avg:[\d.]+ms$", log, re.M)
         assert re.search(r"^post_ema val_loss:[\d.]+ val_bpb:[\d.]+ ", log, re.M)
