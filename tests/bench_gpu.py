@@ -6,8 +6,11 @@
 Runs the script's own warmup (compile, then full restore), then N timed steps with the real data
 loader, optimizer and EMA, and prints (rank 0): ms/step, tokens/s, achieved TFLOP/s and % of the
 bf16 floor, peak memory, compile time, and a per-step breakdown from CUDA events: data (host
-batch assembly + H2D), forward+backward, optimizer (with its communication), EMA. --profile adds a
-torch.profiler table of the top CUDA kernels over 3 more steps. Not a test: pytest does not collect it.
+batch assembly + H2D), forward+backward, optimizer (with its communication), EMA. --profile adds,
+over 3 more steps, a torch.profiler table and kernel_summary() of its trace (GPU time by kind, idle
+gaps, top kernels, the optimizer's span, memset issuers). --curve N prints N trained steps' losses
+instead of timing (also on the CPU). Not a test: pytest does not collect it (test_gpu_tools.py tests
+its pieces).
 """
 from __future__ import annotations
 
@@ -36,12 +39,24 @@ def step_flops(cfg: tg.Hyperparameters, model: torch.nn.Module) -> float:
 
 
 KERNEL_KINDS = (("attention", ("cudnn", "fmha", "flash", "sdpa", "attention")),
-                ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "splitk")), ("triton", ("triton_",)))
+                ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "splitk")))
+PROFILE_STEPS = 3
 
 
 def kernel_kind(name: str) -> str:
     low = name.lower()
+    if low.startswith("triton_"):  # before the others: inductor names kernels after what they fuse (..._attention_...)
+        return "triton"
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length of a union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total
 
 
 def kernel_summary(trace_path: str, steps: int, top: int = 70) -> list[str]:
@@ -53,6 +68,8 @@ def kernel_summary(trace_path: str, steps: int, top: int = 70) -> list[str]:
     from collections import Counter, defaultdict
     ev = [e for e in json.load(open(trace_path))["traceEvents"] if e.get("ph") == "X"]
     gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    if not gpu:
+        return ["kernels none: the trace holds no GPU activity"]
     kinds, names = Counter(), Counter()
     for e in gpu:
         kind = {"gpu_memset": "memset", "gpu_memcpy": "memcpy"}.get(e["cat"]) or kernel_kind(e["name"])
@@ -77,20 +94,25 @@ def kernel_summary(trace_path: str, steps: int, top: int = 70) -> list[str]:
     counts = Counter(e["name"] for e in gpu)
     for (kind, name), t in names.most_common(top):
         out.append(f"kernel {kind} {t / steps / 1e3:8.3f} ms/step {counts[name] // steps:5d}/step {name[:160]}")
-    # the optimizer's GPU span (record_function in one_step): busy time and its top kernels
-    spans = [e for e in ev if e.get("cat") == "gpu_user_annotation" and e["name"] == "optimizer"]
-    inside, span_us, busy_us = Counter(), 0.0, 0.0
-    for a in spans:
-        ops = [e for e in gpu if a["ts"] <= e["ts"] < a["ts"] + a["dur"]]
-        span_us += a["dur"]
-        busy_us += sum(e["dur"] for e in ops)
+    # the optimizer's GPU span (record_function in one_step). Kineto writes one annotation per stream
+    # (compute, NCCL): overlapping ones are merged into one span per step.
+    spans = []
+    for a in sorted((e for e in ev if e.get("cat") == "gpu_user_annotation" and e["name"] == "optimizer"),
+                    key=lambda e: e["ts"]):
+        if spans and a["ts"] <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], a["ts"] + a["dur"])
+        else:
+            spans.append([a["ts"], a["ts"] + a["dur"]])
+    ops = [e for e in gpu if any(a <= e["ts"] < b for a, b in spans)]
+    if spans:
+        inside = Counter()
         for e in ops:
             inside[e["name"]] += e["dur"]
-    if spans:
-        out.append(f"optimizer per_step_ms span:{span_us / len(spans) / 1e3:.3f} kernels:{busy_us / len(spans) / 1e3:.3f} "
-                   f"ops:{sum(1 for a in spans for e in gpu if a['ts'] <= e['ts'] < a['ts'] + a['dur']) // len(spans)}")
+        busy_opt = union_us([(e["ts"], e["ts"] + e["dur"]) for e in ops])
+        out.append(f"optimizer per_step_ms span:{sum(b - a for a, b in spans) / steps / 1e3:.3f} "
+                   f"busy:{busy_opt / steps / 1e3:.3f} ops:{len(ops) // steps} spans:{len(spans)}")
         for name, t in inside.most_common(12):
-            out.append(f"optimizer_kernel {t / len(spans) / 1e3:7.3f} ms/step {name[:110]}")
+            out.append(f"optimizer_kernel {t / steps / 1e3:7.3f} ms/step {name[:110]}")
     # who issues the memsets: correlation id -> runtime call -> innermost enclosing CPU op on its thread
     ops = defaultdict(list)
     for e in ev:
@@ -98,7 +120,7 @@ def kernel_summary(trace_path: str, steps: int, top: int = 70) -> list[str]:
             ops[e["tid"]].append((e["ts"], -(e["ts"] + e["dur"]), e["name"]))  # outer before inner
     for v in ops.values():
         v.sort()
-    runtime = {e["args"].get("correlation"): e for e in ev if e.get("cat") == "cuda_runtime"}
+    runtime = {e["args"].get("correlation"): e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")}
     issuers, sizes = Counter(), Counter()
     for e in gpu:
         if e["cat"] != "gpu_memset":
@@ -107,9 +129,9 @@ def kernel_summary(trace_path: str, steps: int, top: int = 70) -> list[str]:
         r, who = runtime.get(e.get("args", {}).get("correlation")), "?"
         if r is not None:
             lst = ops[r["tid"]]
-            top = i = bisect.bisect_right(lst, (r["ts"], float("inf"), "")) - 1
+            first = i = bisect.bisect_right(lst, (r["ts"], float("inf"), "")) - 1
             chain = []
-            while i >= 0 and len(chain) < 3 and top - i < 20000:  # the innermost three enclosing ops
+            while i >= 0 and len(chain) < 3 and first - i < 20000:  # the innermost three enclosing ops
                 if -lst[i][1] >= r["ts"]:
                     chain.append(lst[i][2][:50])
                 i -= 1
@@ -139,7 +161,7 @@ def main() -> None:
     torch.manual_seed(cfg.seed)  # as train_gpt.main: every rank builds the same initial weights
     model = tg.build_model(cfg, d.device, attn)
     loader = tg.TrainLoader(tg.shard_files(cfg.data_path, "train"), cfg, d, accum)
-    compile_enabled = cfg.compile_enabled != "0"
+    compile_enabled = tg.resolve_compile(cfg, d.device)
     trainer = tg.Trainer(cfg, d, model, loader, tg.Logger(cfg.run_id, False), accum, compile_enabled)
     t0 = time.perf_counter()
     trainer.warmup()
@@ -223,7 +245,7 @@ def main() -> None:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for i in range(3):
+            for i in range(PROFILE_STEPS):
                 one_step(i, None)
             torch.cuda.synchronize()
         if d.is_main:
@@ -231,7 +253,7 @@ def main() -> None:
                                             max_name_column_width=70))
             trace = os.environ.get("PROFILE_TRACE", "/tmp/bench_trace.json")
             prof.export_chrome_trace(trace)
-            for line in kernel_summary(trace, 3):
+            for line in kernel_summary(trace, PROFILE_STEPS):
                 print(line)
     if tg._distributed():
         torch.distributed.destroy_process_group()

@@ -22,3 +22,47 @@ def test_ema_probe_matches_the_runs_own_ema(dataset, tokenizer_path, tmp_path):
     assert set(probes) == {"horizon:0.3", "decay:0.9"}
     assert abs(float(probes["horizon:0.3"]) - float(post)) < 1e-5
     assert probes["decay:0.9"] != probes["horizon:0.3"]
+
+
+def test_bench_curve_equals_the_scripts_own_train_losses(dataset, tokenizer_path, tmp_path):
+    """bench_gpu.py --curve (the 1-vs-N-GPU loss comparison) must train exactly as train_gpt.py does:
+    same seed, warmup restore, data order and schedule, so its per-step losses equal the script's."""
+    env = tiny_env(dataset, tokenizer_path, ITERATIONS="8", LATE_QAT_THRESHOLD="0", RUN_ID="curve_ref")
+    ref = subprocess.run([sys.executable, str(ROOT / "train_gpt.py")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    want = [float(x) for x in re.findall(r"^step:\d+/8 train_loss:([\d.]+)", ref.stdout, re.M)]
+    out = subprocess.run([sys.executable, str(ROOT / "tests/bench_gpu.py"), "--curve", "8"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = [float(x) for x in re.findall(r"^curve step:\d+ loss:([\d.]+)$", out.stdout, re.M)]
+    assert len(want) == len(got) == 8
+    assert all(abs(g - w) <= 5e-5 for g, w in zip(got, want)), (got, want)  # the script logs 4 decimals
+
+
+def test_kernel_summary_on_a_synthetic_trace(tmp_path):
+    """Busy time is the union of GPU intervals, idle the rest; an inductor kernel named after SDPA is
+    Triton work; two per-stream optimizer annotations make one span; a memset names the CPU ops around
+    the runtime call that issued it."""
+    import json
+    sys.path.insert(0, str(ROOT / "tests"))
+    import bench_gpu
+    X = dict(ph="X")
+    ev = [dict(X, cat="cpu_op", name="outer", ts=0, dur=200, tid=1),
+          dict(X, cat="cpu_op", name="aten::zero_", ts=5, dur=10, tid=1),
+          dict(X, cat="cuda_runtime", name="cudaMemsetAsync", ts=8, dur=1, tid=1, args=dict(correlation=7)),
+          dict(X, cat="gpu_memset", name="Memset (Device)", ts=20, dur=4, args=dict(correlation=7, bytes=64)),
+          dict(X, cat="kernel", name="nvjet_sm90_gemm", ts=30, dur=10, args={}),
+          dict(X, cat="kernel", name="triton_poi_fused__scaled_dot_product_cudnn_attention_0", ts=35, dur=10, args={}),
+          dict(X, cat="kernel", name="cudnn_sdpa_fprop", ts=60, dur=10, args={}),
+          dict(X, cat="gpu_user_annotation", name="optimizer", ts=58, dur=8),
+          dict(X, cat="gpu_user_annotation", name="optimizer", ts=62, dur=10)]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": ev}))
+    lines = bench_gpu.kernel_summary(str(tmp_path / "t.json"), 1)
+    # GPU ops cover [20,24) [30,45) [60,70): busy 29 us of a 50 us wall
+    assert lines[0].startswith("kernels per_step_ms wall:0.05 busy:0.03 idle:0.02 ")
+    assert "triton:0.01" in lines[0] and "attention:0.01" in lines[0] and "gemm:0.01" in lines[0]
+    assert "gpu_ops:4 gaps:2 " in lines[0]
+    assert "optimizer per_step_ms span:0.014 busy:0.010 ops:1 spans:1" in lines
+    assert "memset_issuer    0.004 ms/step aten::zero_ < outer" in lines
+    assert lines[-1] == "memset_bytes 64x1"
