@@ -487,8 +487,8 @@ class Optimizers:
 SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 1024
 
 
-def open_shard(path: str | Path, vocab_size: int) -> np.ndarray:
-    """Memory-map one shard's tokens after checking header, size and token range."""
+def shard_token_count(path: str | Path) -> int:
+    """Token count from a shard's header, after checking the header and the file size."""
     path = Path(path)
     size = path.stat().st_size
     if size < HEADER_BYTES:
@@ -501,8 +501,14 @@ def open_shard(path: str | Path, vocab_size: int) -> np.ndarray:
         raise ValueError(f"{path}: shard holds no tokens")
     if size != HEADER_BYTES + 2 * n:
         raise ValueError(f"{path}: size {size} != {HEADER_BYTES + 2 * n} for {n} tokens (truncated?)")
+    return n
+
+
+def open_shard(path: str | Path, vocab_size: int) -> np.ndarray:
+    """Memory-map one shard's tokens after checking header, size and token range."""
+    n = shard_token_count(path)
     tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,))
-    top = int(tokens.max()) if n else 0
+    top = int(tokens.max())
     if top >= vocab_size:
         raise ValueError(f"{path}: token id {top} >= VOCAB_SIZE {vocab_size}")
     return tokens
@@ -1559,7 +1565,7 @@ def main() -> int:
     artifact = Path(cfg.eval_only or cfg.artifact_path)
     if not cfg.eval_only:
         files = shard_files(cfg.data_path, "train")
-        tokens = sum(int(np.fromfile(f, dtype="<i4", count=3)[2]) for f in files)  # header counts; checked when opened
+        tokens = sum(shard_token_count(f) for f in files)  # token ranges are checked when a shard is opened
         log(f"train_data shards:{len(files)} tokens:{tokens} epochs_at_max_iterations:"
             f"{cfg.iterations * cfg.train_batch_tokens / max(tokens, 1):.2f} sampling:{cfg.train_sampling}")
         loader = TrainLoader(files, cfg, d, grad_accum)

@@ -76,10 +76,10 @@ def kernel_summary(trace_path: str, steps: int, top: int = 70) -> list[str]:
         kinds[kind] += e["dur"]
         names[(kind, e["name"])] += e["dur"]
     gpu.sort(key=lambda e: e["ts"])
-    busy, end, last, gaps = 0.0, gpu[0]["ts"], gpu[0], []
+    busy = union_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
+    end, last, gaps = gpu[0]["ts"], gpu[0], []
     for e in gpu:
         a, b = e["ts"], e["ts"] + e["dur"]
-        busy += max(0.0, b - max(a, end))
         if a > end:
             gaps.append((a - end, last["name"][:60], e["name"][:60]))
         if b > end:
