@@ -100,6 +100,21 @@ def test_batched_newton_schulz_equals_per_matrix_loop(shape):
     assert err_batched <= 1.25 * err_loop and err_batched < 0.05
 
 
+def test_stacked_newton_schulz_equals_the_per_matrix_loop_for_each_bank():
+    """MLP up (tall) and down (wide) banks in one batch: every matrix still normalised alone (batch
+    members differ in scale by 1e3), results back in each bank's orientation; a lone bank as is."""
+    g = torch.Generator().manual_seed(11)
+    up = torch.randn(3, 24, 8, generator=g) * torch.tensor([1e-2, 1.0, 10.0])[:, None, None]
+    down = torch.randn(3, 8, 24, generator=g)
+    got = tg.newton_schulz_stacked([up, down], 5, torch.float32)
+    for G, out in zip((up, down), got):
+        ref = torch.stack([ns_one_matrix(m, 5, torch.float32) for m in G])
+        assert out.shape == G.shape
+        assert (out - ref).abs().max().item() <= 3e-6  # fp32, outputs O(1): summation order only
+    lone = tg.newton_schulz_stacked([down], 5, torch.float32)[0]
+    assert torch.equal(lone, tg.newton_schulz(down, 5, dtype=torch.float32))
+
+
 def test_newton_schulz_singular_values_land_in_a_narrow_band():
     # Inputs: Gaussian matrices with aspect ratio >= 2.5 (tall and wide), columns scaled over 3.2x, the
     # batch scaled over 1e4. Measured over 40 seeds: 5 bf16 steps put every output singular value in
