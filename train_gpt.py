@@ -254,8 +254,8 @@ def all_reduce_sum_(t: Tensor, async_op: bool = False):
 
 class FlatTensors:
     """Tensors as one fp32 concatenation: ONE async all-reduce over ranks (not one per tensor), and one
-    kernel for their norm or scaling. Per tensor, norm and clip of the ~50 replicated grads were ~100
-    launches: a third of the optimizer's 2.2 ms on one H200."""
+    kernel for their norm or scaling (per tensor: 98 kernels for the ~50 replicated grads). With the
+    stacked Newton-Schulz below, the optimizer alone went from 2.24 to 1.95 ms on one H200."""
 
     def __init__(self, tensors: list[Tensor]):
         self.tensors = tensors
@@ -270,8 +270,8 @@ class FlatTensors:
         return self.flat
 
     def write_back(self) -> None:
-        """One dtype at a time: foreach ops over mixed dtypes take the per-tensor path (49 memcpys and
-        49 norm kernels for the replicated grads on one H200)."""
+        """One dtype at a time: foreach ops over a mixed-dtype list take the per-tensor path (here 49
+        memcpys instead of one launch)."""
         views = [f.view_as(t) for f, t in zip(self.flat.split([t.numel() for t in self.tensors]), self.tensors)]
         for dtype in {t.dtype for t in self.tensors}:
             pairs = [(t, v) for t, v in zip(self.tensors, views) if t.dtype == dtype]
@@ -738,8 +738,9 @@ def qk_norm_rope_reference(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_
 
 # One Triton kernel each way for q/k RMSNorm + RoPE + gain. Inductor's fusion of these ops stored the
 # pre-gain tensor for the gain's gradient and read it back in a separate reduction: 39 ms of a 566 ms
-# record step (H200, torch 2.11). Here the forward reads x once and writes y; the backward recomputes
-# the norm from x and writes dx plus one gain-gradient partial per row. Math in fp32, one bf16 rounding.
+# record step (H200, torch 2.11); these kernels took 23 ms (64-row blocks), and peak memory fell 1.1 GB.
+# The forward reads x once and writes y; the backward recomputes the norm from x and writes dx plus one
+# gain-gradient partial per row. Math in fp32, one bf16 rounding.
 # Rows are (token, head) pairs; `partner` is each rotated channel's pair (c +- F), loaded a second time.
 try:
     import triton
@@ -800,13 +801,21 @@ if triton is not None:
         tl.store(dx_ptr + rows[:, None] * D + tl.arange(0, BD)[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-QK_ROWS_PER_PROGRAM = 16  # at the record shapes (H200, 4 warps): 16 and 32 ran 15% faster than 64, 128 slower
+QK_ROWS_PER_PROGRAM = 16  # record shapes, H200, 4 warps: 11-14% faster than 64 rows; 128 was slower
 
 
-def _qk_launch_args(x_BTHD: Tensor, cos_TF: Tensor) -> tuple:
+def _qk_launch_args(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_H: Tensor | None) -> tuple:
+    """What the kernels assume, checked: they index with 32-bit offsets and read the tables unchecked."""
     B, T, H, D = x_BTHD.shape
     if x_BTHD.stride(3) != 1 or x_BTHD.stride(2) != D or x_BTHD.stride(0) != T * x_BTHD.stride(1):
         raise ValueError(f"qk_norm_rope needs heads packed in each token's row, got strides {x_BTHD.stride()}")
+    if x_BTHD.stride(0) * B >= 2**31:
+        raise ValueError(f"qk_norm_rope: {B * T} tokens of stride {x_BTHD.stride(1)} overflow 32-bit offsets")
+    for t in (cos_TF, sin_TF):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.size(0) < T or 2 * t.size(1) > D:
+            raise ValueError(f"qk_norm_rope needs contiguous fp32 (>= {T}, <= {D // 2}) tables, got {tuple(t.shape)}")
+    if gain_H is not None and gain_H.shape != (H,):
+        raise ValueError(f"qk_norm_rope: gain of shape {tuple(gain_H.shape)} for {H} heads")
     n_rows = B * T * H
     grid = (triton.cdiv(n_rows, QK_ROWS_PER_PROGRAM),)
     # eps is a constant: as a float argument inductor's launcher typed it fp64, and the math with it
@@ -821,7 +830,7 @@ def _qk_launch_args(x_BTHD: Tensor, cos_TF: Tensor) -> tuple:
 @torch.library.triton_op("pgolf::qk_norm_rope", mutates_args=())
 def qk_norm_rope(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_H: Tensor | None) -> Tensor:
     """qk_norm_rope_reference in one Triton kernel (CUDA, or the CPU under TRITON_INTERPRET=1)."""
-    grid, n_rows, stride, T, meta = _qk_launch_args(x_BTHD, cos_TF)
+    grid, n_rows, stride, T, meta = _qk_launch_args(x_BTHD, cos_TF, sin_TF, gain_H)
     y = torch.empty(x_BTHD.shape, dtype=x_BTHD.dtype, device=x_BTHD.device)
     g = x_BTHD if gain_H is None else gain_H
     torch.library.wrap_triton(_qk_norm_rope_fwd)[grid](x_BTHD, cos_TF, sin_TF, g, y, n_rows, stride, T,
@@ -832,7 +841,7 @@ def qk_norm_rope(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_H: Tensor 
 @torch.library.triton_op("pgolf::qk_norm_rope_backward", mutates_args=())
 def qk_norm_rope_backward(dy_BTHD: Tensor, x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor,
                           gain_H: Tensor | None) -> tuple[Tensor, Tensor]:
-    grid, n_rows, stride, T, meta = _qk_launch_args(x_BTHD, cos_TF)
+    grid, n_rows, stride, T, meta = _qk_launch_args(x_BTHD, cos_TF, sin_TF, gain_H)
     dy = dy_BTHD.contiguous()
     dx = torch.empty(x_BTHD.shape, dtype=x_BTHD.dtype, device=x_BTHD.device)
     H = x_BTHD.size(2)
@@ -1089,6 +1098,8 @@ def resolve_attn_backend(cfg: Hyperparameters, device: torch.device) -> str:
 def resolve_qk_kernel(cfg: Hyperparameters, device: torch.device) -> str:
     if cfg.qk_kernel == "triton" and triton is None:
         raise ValueError("QK_KERNEL=triton needs the triton package")
+    if cfg.qk_kernel == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("QK_KERNEL=triton off CUDA needs TRITON_INTERPRET=1 (Triton's interpreter)")
     if cfg.qk_kernel != "auto":
         return cfg.qk_kernel
     return "triton" if device.type == "cuda" and triton is not None else "torch"

@@ -39,7 +39,8 @@ def step_flops(cfg: tg.Hyperparameters, model: torch.nn.Module) -> float:
     return 6.0 * matmul * tokens + attn
 
 
-KERNEL_KINDS = (("nccl", ("nccl",)), ("attention", ("cudnn", "fmha", "flash", "sdpa", "attention")),
+KERNEL_KINDS = (("nccl", ("nccl",)), ("qk", ("_qk_norm_rope",)),  # qk: train_gpt.py's own Triton kernels
+                ("attention", ("cudnn", "fmha", "flash", "sdpa", "attention")),
                 ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "splitk")))
 PROFILE_STEPS = 3
 
@@ -108,7 +109,7 @@ def kernel_summary(trace_path: str, steps: int, top: int = 70) -> list[str]:
     ranges = [(e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") == "user_annotation" and e["name"] == "optimizer"]
     launched = {}  # correlation id -> index of the host range that launched it
     for e in ev:
-        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("args", {}).get("correlation") is not None:
             for i, (a, b) in enumerate(ranges):
                 if a <= e["ts"] < b:
                     launched[e["args"].get("correlation")] = i
@@ -244,7 +245,8 @@ def main() -> None:
               + f" host_data_ms:{1000 * host_data / args.steps:.2f}")
     # The optimizer alone on one step's gradients: its GPU time with the host far ahead (a sleep kernel is
     # queued first), and the host's time to launch it. The in-step figure above is the larger of the two
-    # when the host falls behind.
+    # when the host falls behind. These 10 extra steps change the weights that --qat-check and --profile
+    # then run on; that changes no kernel's work.
     for x, y in loader.next_batch():
         with tg.autocast(d.device):
             (trainer.fwd(x, y) / accum).backward()

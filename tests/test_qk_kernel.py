@@ -81,11 +81,21 @@ def test_kernel_reads_a_strided_token_row():
     assert wide.grad[..., : H * D].abs().max() == 0 and wide.grad[..., H * D: 2 * H * D].abs().max() > 0
 
 
-def test_kernel_refuses_unpacked_heads():
+def test_kernel_refuses_what_it_cannot_index():
+    """Unpacked heads, tables shorter than the sequence or wider than half a head, a gain of the wrong size:
+    errors, not reads past the end."""
     x = torch.randn(1, 4, 8, 2, device=DEV).transpose(2, 3)  # (1, 4, 2, 8) with head dim not contiguous
     cos, sin = (t.to(DEV) for t in tg.rope_tables(4, 4, 10000.0))
     with pytest.raises(ValueError, match="heads packed"):
         tg.qk_norm_rope(x, cos, sin, None)
+    x = torch.randn(1, 4, 2, 8, device=DEV)
+    for T, dims in ((3, 4), (4, 10)):
+        cos, sin = (t.to(DEV) for t in tg.rope_tables(T, dims, 10000.0))
+        with pytest.raises(ValueError, match="tables"):
+            tg.qk_norm_rope(x, cos, sin, None)
+    cos, sin = (t.to(DEV) for t in tg.rope_tables(4, 4, 10000.0))
+    with pytest.raises(ValueError, match="gain of shape"):
+        tg.qk_norm_rope(x, cos, sin, torch.ones(3, device=DEV))
 
 
 @pytest.mark.parametrize("name", ["full", "plain"])
@@ -107,12 +117,16 @@ def test_model_with_triton_kernel_equals_model_with_torch_ops(name):
     assert all(b.q_gain.grad.abs().max() > 0 for b in model.blocks)
 
 
-def test_qk_kernel_setting_resolves_and_refuses_triton_without_the_package(monkeypatch):
+def test_qk_kernel_setting_resolves_and_refuses_what_cannot_run(monkeypatch):
     cpu = torch.device("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # only read by resolve_qk_kernel here
     assert tg.resolve_qk_kernel(make_cfg(), cpu) == "torch"  # the CPU default: no interpreter needed
     assert tg.resolve_qk_kernel(make_cfg(QK_KERNEL="triton"), cpu) == "triton"
     assert tg.build_model(make_cfg(QK_KERNEL="triton", NUM_LAYERS=2, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=1,
                                    VOCAB_SIZE=64, VE_LAYERS="1"), cpu, "math").qk_kernel == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU without the interpreter cannot run the kernels
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        tg.resolve_qk_kernel(make_cfg(QK_KERNEL="triton"), cpu)
     monkeypatch.setattr(tg, "triton", None)
     with pytest.raises(ValueError, match="QK_KERNEL=triton needs the triton package"):
         tg.resolve_qk_kernel(make_cfg(QK_KERNEL="triton"), cpu)

@@ -320,6 +320,26 @@ def test_global_norm_and_clipping_match_torch(runs, world_size):
         assert rel_err(flat_local, flat_ref) > 5e-2
 
 
+def test_flat_tensors_of_mixed_dtypes_scale_and_write_back_exactly():
+    """The replicated grads on CUDA mix bf16 tables and fp32 control tensors: the fp32 concatenation
+    keeps each tensor's values and order, and writing back (one dtype at a time) casts each tensor once.
+    Halving is exact in both dtypes, so the check is exact."""
+    g = torch.Generator().manual_seed(2)
+    ts = [torch.randn(5, 3, generator=g).bfloat16(), torch.randn(7, generator=g), torch.randn(2, 2, generator=g).bfloat16(),
+          torch.randn(1, generator=g).double()]
+    want = [t.clone() * 0.5 for t in ts]
+    flat = tg.FlatTensors(ts).mean()  # one process: no all-reduce, the plain concatenation
+    assert flat.dtype == torch.float32 and flat.numel() == sum(t.numel() for t in ts)
+    assert torch.equal(flat, torch.cat([t.float().flatten() for t in ts]))
+    flat_sq = float(flat.double().square().sum())
+    assert abs(float(flat.dot(flat)) - flat_sq) <= 1e-6 * flat_sq
+    buf = tg.FlatTensors(ts)
+    buf.mean().mul_(0.5)
+    buf.write_back()
+    for t, w in zip(ts, want):
+        assert t.dtype == w.dtype and torch.equal(t, w)
+
+
 def test_returned_norm_is_pre_clip_and_clip_off_leaves_grads():
     # Single process, direct: Optimizers.step returns torch's total norm of the grads (tolerance 1e-6
     # relative) whether or not clipping binds, and with GRAD_CLIP_NORM=0 the grads are untouched (exact).
