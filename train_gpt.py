@@ -344,9 +344,10 @@ class ParallelMuon(torch.optim.Optimizer):
     """Muon over 3-D parameter banks, sharded over ranks along the bank dimension (PR #399).
 
     Phases (called by Optimizers.step): launch_reduce_scatter -> finish_reduce_scatter (grad shards,
-    averaged) -> [caller clips] -> step (momentum + NS on the local shard, all-gather of each bank
-    overlapped with the next stack's NS; MLP up and down share one NS batch). The momentum store is one shard per bank per rank; with one
-    rank the shard is the whole bank, so the same code and state_dict serve 1 or N ranks."""
+    averaged) -> [caller clips] -> step (momentum + NS on the local shard, MLP up and down in one NS
+    batch; each stack's all-gathers overlapped with the next stack's NS). The momentum store is one
+    shard per bank per rank; with one rank the shard is the whole bank, so the same code and
+    state_dict serve 1 or N ranks."""
 
     def __init__(self, banks: list[Tensor], lr: float, momentum: float, weight_decay: float,
                  ns_steps: int, comm_dtype: torch.dtype, world_size: int):

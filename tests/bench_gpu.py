@@ -192,6 +192,12 @@ def main() -> None:
     ema = tg.EMA(model, cfg.ema_horizon, cfg.ema_decay) if cfg.ema_enabled else None
     torch.cuda.reset_peak_memory_stats()
 
+    def fwd_bwd(batches) -> None:  # Trainer.step's micro-batch loop, here with events around its phases
+        for x, y in batches:
+            with tg.autocast(d.device):
+                loss = trainer.fwd(x, y)
+            (loss / accum).backward()
+
     def one_step(step: int, ev: list | None):
         host = time.perf_counter()
         if ev:
@@ -201,13 +207,10 @@ def main() -> None:
         host = time.perf_counter() - host
         if ev:
             ev[1].record()
-        for x, y in batches:
-            with tg.autocast(d.device):
-                loss = trainer.fwd(x, y)
-            (loss / accum).backward()
+        fwd_bwd(batches)
         if ev:
             ev[2].record()
-        with torch.profiler.record_function("optimizer"):  # its GPU span in the --profile summary
+        with torch.profiler.record_function("optimizer"):  # --profile: the kernels launched inside it
             trainer.opt.step()
             trainer.opt.zero_grad()
         if ev:
@@ -247,9 +250,7 @@ def main() -> None:
     # queued first), and the host's time to launch it. The in-step figure above is the larger of the two
     # when the host falls behind. These 10 extra steps change the weights that --qat-check and --profile
     # then run on; that changes no kernel's work.
-    for x, y in loader.next_batch():
-        with tg.autocast(d.device):
-            (trainer.fwd(x, y) / accum).backward()
+    fwd_bwd(loader.next_batch())
     saved = {p: p.grad.clone() for p in model.parameters() if p.grad is not None}
     gpu_ms = host_ms = 0.0
     reps = 10
