@@ -165,6 +165,7 @@ class Hyperparameters:
                 raise ValueError(msg)
         need(self.model_dim % self.num_heads == 0, "MODEL_DIM must divide by NUM_HEADS")
         need(self.num_heads % self.num_kv_heads == 0, "NUM_HEADS must divide by NUM_KV_HEADS")
+        need(self.mlp_negative_slope >= 0, "MLP_NEGATIVE_SLOPE must be >= 0 (a negative slope ran as relu)")
         need(self.rope_dims % 2 == 0 and 0 <= self.rope_dims <= self.head_dim, "ROPE_DIMS: even, <= head dim")
         need(self.train_seq_len > 0 and self.train_batch_tokens > 0, "TRAIN_SEQ_LEN, TRAIN_BATCH_TOKENS > 0")
         need(0 < self.eval_stride <= self.eval_seq_len, "EVAL_STRIDE must be in 1..EVAL_SEQ_LEN")

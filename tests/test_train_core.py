@@ -110,6 +110,13 @@ def test_malformed_ve_layers_is_an_error_naming_the_variable():
     assert "VE_LAYERS" in str(e.value), str(e.value)
 
 
+def test_negative_mlp_slope_is_an_error():
+    """The MLP ran relu^2 for any slope <= 0, so a negative MLP_NEGATIVE_SLOPE was silently not used."""
+    with pytest.raises(ValueError, match="MLP_NEGATIVE_SLOPE"):
+        tg.Hyperparameters.from_env({"MLP_NEGATIVE_SLOPE": "-0.5"})
+    assert make_cfg(MLP_NEGATIVE_SLOPE="0").mlp_negative_slope == 0.0  # relu^2 stays allowed
+
+
 def test_negative_grad_accum_steps_is_an_error():
     """GRAD_ACCUM_STEPS=-2 would give range(-2) micro-steps (no data, no gradients): reject it with a clear error."""
     with pytest.raises(ValueError) as e:

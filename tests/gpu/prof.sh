@@ -7,7 +7,7 @@ export MAX_WALLCLOCK_SECONDS=0 WARMUP_STEPS=3 LATE_QAT_THRESHOLD=0 VAL_LOSS_EVER
 cp train_gpt.py /tmp/train_gpt.orig.py
 if [ "${PROFILE:-1}" = 1 ]; then
   echo "== profile ${PROFILE_ENV}" | tee -a $OUT/prof.log
-  env TORCH_LOGS=output_code TORCH_LOGS_OUT=/tmp/oc.log $PROFILE_ENV python3 tests/bench_gpu.py --steps 10 --profile 2>&1 | grep -v "^setting" | tee -a $OUT/prof.log
+  env TORCH_LOGS=output_code TORCH_LOGS_OUT=/tmp/oc.log $PROFILE_ENV timeout ${PROFILE_TIMEOUT:-400} python3 tests/bench_gpu.py --steps 10 --profile 2>&1 | grep -v "^setting" | tee -a $OUT/prof.log
   [ -f /tmp/oc.log ] && xz -T4 -c /tmp/oc.log > $OUT/output_code.log.xz
 fi
 echo "$RUNS" | while read -r f v; do
