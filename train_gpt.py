@@ -50,6 +50,7 @@ CHOICES = {
     "device": ("auto", "cuda", "cpu"),
     "train_sampling": ("sequential", "coprime"),
     "qk_kernel": ("auto", "triton", "torch"),
+    "cuda_graphs": ("auto", "0", "1"),
 }
 
 
@@ -73,6 +74,7 @@ class Hyperparameters:
     train_seq_len: int = 2048  # training sequence length (tokens)
     grad_accum_steps: int = 0  # 0 = max(1, 8 // WORLD_SIZE): same global batch for 1..8 GPUs
     compile_enabled: str = "auto"  # torch.compile: auto = on for CUDA, off for CPU
+    cuda_graphs: str = "auto"  # each micro-batch's forward+backward replayed as one CUDA graph: auto = on for CUDA
     train_sampling: str = "sequential"  # sequential (shards in order) | coprime (strided over all shards)
     # --- model
     num_layers: int = 11  # transformer blocks
@@ -457,6 +459,7 @@ class Optimizers:
 
     def __init__(self, model: nn.Module, cfg: Hyperparameters, d: Dist):
         groups = group_parameters(model)
+        self.keep_grads = resolve_cuda_graphs(cfg, d.device)  # the graphs accumulate into fixed .grad buffers
         self.rank, self.world_size = d.rank, d.world_size
         comm = cfg.muon_reduce_dtype
         comm_dtype = torch.bfloat16 if comm == "bf16" or (comm == "auto" and d.device.type == "cuda") \
@@ -474,8 +477,8 @@ class Optimizers:
         self.clip_norm = cfg.grad_clip_norm
 
     def zero_grad(self) -> None:
-        self.adam.zero_grad(set_to_none=True)
-        self.muon.zero_grad(set_to_none=True)
+        self.adam.zero_grad(set_to_none=not self.keep_grads)
+        self.muon.zero_grad(set_to_none=not self.keep_grads)
 
     def set_schedule(self, lr_scale: float, muon_momentum: float) -> None:
         for g in self.adam.param_groups + self.muon.param_groups:
@@ -1107,6 +1110,12 @@ def resolve_qk_kernel(cfg: Hyperparameters, device: torch.device) -> str:
     return "triton" if device.type == "cuda" and triton is not None else "torch"
 
 
+def resolve_cuda_graphs(cfg: Hyperparameters, device: torch.device) -> bool:
+    if cfg.cuda_graphs == "1" and device.type != "cuda":
+        raise ValueError("CUDA_GRAPHS=1 needs CUDA")
+    return cfg.cuda_graphs == "1" or (cfg.cuda_graphs == "auto" and device.type == "cuda")
+
+
 def resolve_compile(cfg: Hyperparameters, device: torch.device) -> bool:
     return cfg.compile_enabled == "1" or (cfg.compile_enabled == "auto" and device.type == "cuda")
 
@@ -1593,16 +1602,54 @@ class Trainer:
         self.grad_accum = grad_accum
         self.opt = Optimizers(model, cfg, d)
         self.fwd = torch.compile(model, dynamic=False, fullgraph=True) if compile_enabled else model
+        self.graphed = resolve_cuda_graphs(cfg, d.device)
+        self.graphs: dict[bool, tuple] = {}  # model.qat_enabled -> (graph, static x, static y, static loss)
+
+    def fwd_bwd(self, x: Tensor, y: Tensor) -> Tensor:
+        """One micro-batch: forward, backward (gradients accumulate); returns its loss."""
+        if not self.graphed:
+            return self._fwd_bwd(x, y)
+        graph, sx, sy, loss = self.graphs.get(self.model.qat_enabled) or self._capture(x, y)
+        sx.copy_(x)
+        sy.copy_(y)
+        graph.replay()
+        return loss
+
+    def _fwd_bwd(self, x: Tensor, y: Tensor) -> Tensor:
+        with autocast(self.d.device):
+            loss = self.fwd(x, y)
+        (loss / self.grad_accum).backward()
+        return loss.detach()
+
+    def _capture(self, x: Tensor, y: Tensor) -> tuple:
+        """Capture fwd_bwd for the current model variant. Only at a step's first micro-batch (gradients
+        zero): the warm-up run that capture needs (side stream) adds gradients, removed after."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if any(p.grad is not None and p.grad.any() for p in params):
+            raise RuntimeError("CUDA graph capture needs zero gradients (a step's first micro-batch)")
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        sx, sy = x.clone(), y.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._fwd_bwd(sx, sy)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        shared = next(iter(self.graphs.values()))[0].pool() if self.graphs else None  # variants never overlap
+        with torch.cuda.graph(graph, pool=shared):
+            loss = self._fwd_bwd(sx, sy)
+        torch._foreach_zero_([p.grad for p in params])
+        self.graphs[self.model.qat_enabled] = (graph, sx, sy, loss)
+        return self.graphs[self.model.qat_enabled]
 
     def step(self, step: int, lr_scale: float) -> Tensor:
         """One optimizer step over the global batch; returns this rank's mean micro-batch loss."""
         self.opt.set_schedule(lr_scale, muon_momentum_at(self.cfg, step))
         loss_sum = torch.zeros((), device=self.d.device)
         for x, y in self.loader.next_batch():
-            with autocast(self.d.device):
-                loss = self.fwd(x, y)
-            (loss / self.grad_accum).backward()
-            loss_sum += loss.detach()
+            loss_sum += self.fwd_bwd(x, y)
         self.opt.step()
         self.opt.zero_grad()
         return loss_sum / self.grad_accum
@@ -1681,7 +1728,16 @@ class Trainer:
                     f"step_avg:{now / step:.2f}ms")
         train_ms += _now(d.device) - t0
         self.check_finite(first_bad)
+        self.release_graphs()
         return step, train_ms
+
+    def release_graphs(self) -> None:
+        """Scoring and TTT after training need the memory the graphs' pool and gradient buffers hold."""
+        if self.graphed:
+            self.graphs.clear()
+            self.opt.keep_grads = False
+            self.opt.zero_grad()
+            torch.cuda.empty_cache()
 
     def check_finite(self, first_bad: Tensor) -> None:
         local = float(first_bad.item())
@@ -1737,7 +1793,8 @@ def main() -> int:
     compile_enabled = resolve_compile(cfg, d.device)
     grad_accum = resolve_grad_accum(cfg, d.world_size)
     log(f"layout world_size:{d.world_size} grad_accum_steps:{grad_accum} attn_backend:{attn_backend} "
-        f"qk_kernel:{resolve_qk_kernel(cfg, d.device)} compile:{int(compile_enabled)}")
+        f"qk_kernel:{resolve_qk_kernel(cfg, d.device)} compile:{int(compile_enabled)} "
+        f"cuda_graphs:{int(resolve_cuda_graphs(cfg, d.device))}")
 
     import sentencepiece as spm
     if not Path(cfg.tokenizer_path).is_file():

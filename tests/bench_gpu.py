@@ -190,13 +190,12 @@ def main() -> None:
             torch.distributed.destroy_process_group()
         return
     ema = tg.EMA(model, cfg.ema_horizon, cfg.ema_decay) if cfg.ema_enabled else None
-    torch.cuda.reset_peak_memory_stats()
+    if not trainer.graphed:  # with graphs the activations live in the graph's pool, allocated at capture (warmup)
+        torch.cuda.reset_peak_memory_stats()
 
     def fwd_bwd(batches) -> None:  # Trainer.step's micro-batch loop, here with events around its phases
         for x, y in batches:
-            with tg.autocast(d.device):
-                loss = trainer.fwd(x, y)
-            (loss / accum).backward()
+            trainer.fwd_bwd(x, y)
 
     def one_step(step: int, ev: list | None):
         host = time.perf_counter()
@@ -243,7 +242,8 @@ def main() -> None:
               f"batch_tokens:{cfg.train_batch_tokens} micro_batch_tokens:{cfg.train_batch_tokens // (d.world_size * accum)}")
         print(f"bench ms_per_step:{wall_ms:.2f} tokens_per_s:{tps:,.0f} tflops_per_gpu:{tflops:.1f} "
               f"pct_of_bf16_floor:{100 * tflops / BF16_PEAK_TFLOPS:.1f} floor_ms:{flops / BF16_PEAK_TFLOPS / 1e9:.1f} "
-              f"compile_s:{compile_s:.1f} peak_mem_mib:{torch.cuda.max_memory_allocated() // 2**20}")
+              f"compile_s:{compile_s:.1f} peak_mem_mib:{torch.cuda.max_memory_allocated() // 2**20} "
+              f"peak_reserved_mib:{torch.cuda.max_memory_reserved() // 2**20} cuda_graphs:{int(trainer.graphed)}")
         print("bench breakdown_ms " + " ".join(f"{k}:{v:.2f}" for k, v in times.items())
               + f" host_data_ms:{1000 * host_data / args.steps:.2f}")
     # The optimizer alone on one step's gradients: its GPU time with the host far ahead (a sleep kernel is
@@ -256,7 +256,7 @@ def main() -> None:
     reps = 10
     for _ in range(reps):
         for p, g in saved.items():
-            p.grad = g.clone()
+            p.grad.copy_(g)  # in place: with CUDA_GRAPHS=1 the graphs accumulate into these buffers
         torch.cuda.synchronize()
         torch.cuda._sleep(50_000_000)  # tens of ms of GPU time: the launches below all queue behind it
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

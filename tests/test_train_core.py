@@ -724,11 +724,11 @@ def test_fa3_backend_in_the_model(fake_fa3):
 # 7. Warmup restore
 # =============================================================================================
 
-def make_trainer(dataset, tokenizer_path, log=None, **overrides) -> tg.Trainer:
+def make_trainer(dataset, tokenizer_path, log=None, device=CPU, **overrides) -> tg.Trainer:
     cfg, _ = tg.Hyperparameters.from_env(tiny_env(dataset, tokenizer_path, **overrides))
-    d = tg.Dist(0, 1, 0, CPU)
+    d = tg.Dist(0, 1, 0, device)
     torch.manual_seed(cfg.seed)
-    model = tg.build_model(cfg, CPU, "math")
+    model = tg.build_model(cfg, device, "math")
     accum = tg.resolve_grad_accum(cfg, 1)
     loader = tg.TrainLoader(tg.shard_files(cfg.data_path, "train"), cfg, d, accum)
     return tg.Trainer(cfg, d, model, loader, log or tg.Logger(cfg.run_id, enabled=False), accum, compile_enabled=False)
@@ -788,6 +788,34 @@ def test_training_after_warmup_equals_training_without(dataset, tokenizer_path):
     lb = [b.step(s, 1.0).item() for s in range(3)]
     assert la == lb  # bit-exact: same data, same weights, same (empty) optimizer state
     assert_same(dict(a.model.state_dict()), dict(b.model.state_dict()), "weights")
+
+
+def test_cuda_graphs_need_cuda(dataset, tokenizer_path):
+    with pytest.raises(ValueError, match="CUDA_GRAPHS=1 needs CUDA"):
+        make_trainer(dataset, tokenizer_path, CUDA_GRAPHS=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_train_exactly_as_eager(dataset, tokenizer_path):
+    """Warmup (it captures the plain and the late-QAT variant), then steps with and without QAT: losses and
+    weights bit-identical to the same run without graphs; the .grad buffers are never replaced."""
+    cuda = torch.device("cuda")
+    runs = [make_trainer(dataset, tokenizer_path, device=cuda, CUDA_GRAPHS=g, WARMUP_STEPS=2, LATE_QAT_THRESHOLD=0.15)
+            for g in (1, 0)]
+    losses = []
+    for tr in runs:
+        tr.warmup()
+        buffers = [p.grad for p in tr.model.parameters()]
+        out = []
+        for s in range(4):
+            tr.model.qat_enabled = s >= 2
+            out.append(tr.step(s, 1.0).item())
+        losses.append(out)
+        if tr.graphed:
+            assert sorted(tr.graphs) == [False, True]
+            assert all(a is b for a, b in zip(buffers, (p.grad for p in tr.model.parameters())))
+    assert losses[0] == losses[1]
+    assert_same(dict(runs[0].model.state_dict()), dict(runs[1].model.state_dict()), "weights")
 
 
 # =============================================================================================
