@@ -643,11 +643,11 @@ class TrainLoader:
     """Global batch = TRAIN_BATCH_TOKENS / TRAIN_SEQ_LEN sequences (TRAIN_SAMPLING order); micro-step
     m of rank r takes sequences [(m * world + r) * s, ...+ s). The set of sequences per step is
     therefore independent of world size and accumulation split (the reference's per-rank spans were
-    not). Prefetch one step ahead: next_batch() hands out the batch copied during the previous call and
-    queues the next one, assembled on the host into one of two pinned buffers and copied on a side
-    stream while the GPU works. The host work (3 ms a record step) runs in the caller's thread, hidden
-    by the GPU's queue: a worker thread stalled the host 55 ms a step (H200), its pinning calls likely
-    queued behind the main thread's launches, which block holding the GIL when the queue is full."""
+    not). Prefetch one step ahead: next_batch() hands out the batch prefetch() queued (or loads it
+    then), prefetch() assembles the next one on the host into one of two pinned buffers and copies it on
+    a side stream while the GPU works. The host work (3-4 ms a record step) runs in the caller's thread,
+    hidden by the GPU's queue: a worker thread stalled the host 55 ms a step (H200), its pinning calls
+    likely queued behind the main thread's launches, which block holding the GIL when the queue is full."""
 
     def __init__(self, files: list[str], cfg: Hyperparameters, d: Dist, grad_accum: int):
         sampler = CoprimeSampler if cfg.train_sampling == "coprime" else SequentialSampler
@@ -680,11 +680,17 @@ class TrainLoader:
             done.record()
         return state, x, y, done
 
-    def next_batch(self) -> list[tuple[Tensor, Tensor]]:
+    def prefetch(self) -> None:
+        """Assemble and queue the copy of the next step's batch (a no-op if it is already queued). The
+        trainer calls it after launching a step's micro-batches: with the wallclock cap every iteration
+        starts with a host sync, and prefetching inside next_batch left the GPU idle for this host work."""
         if self.ahead is None:
             self.ahead = self._load()
+
+    def next_batch(self) -> list[tuple[Tensor, Tensor]]:
+        self.prefetch()
         _, x, y, done = self.ahead
-        self.ahead = self._load()
+        self.ahead = None
         if done is not None:  # the compute stream waits for the copy; the memory is freed after its use
             compute = torch.cuda.current_stream(self.d.device)
             compute.wait_event(done)
@@ -1653,6 +1659,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.d.device)
         for x, y in self.loader.next_batch():
             loss_sum += self.fwd_bwd(x, y)
+        self.loader.prefetch()  # host work while the GPU runs the micro-batches
         self.opt.step()
         self.opt.zero_grad()
         return loss_sum / self.grad_accum

@@ -161,6 +161,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--qat-check", action="store_true", help="compiled loss with late QAT off vs on, same batch")
+    ap.add_argument("--sync", action="store_true", help="host waits for the GPU at each step's start, as under the "
+                    "wallclock cap")
     ap.add_argument("--curve", type=int, default=0, help="instead of timing: N trained steps, print each step's loss")
     args = ap.parse_args()
     cfg, _ = tg.Hyperparameters.from_env()
@@ -198,6 +200,8 @@ def main() -> None:
             trainer.fwd_bwd(x, y)
 
     def one_step(step: int, ev: list | None):
+        if args.sync:  # as the training loop under the wallclock cap: the host waits for the GPU each step
+            torch.cuda.synchronize()
         host = time.perf_counter()
         if ev:
             ev[0].record()
@@ -207,6 +211,9 @@ def main() -> None:
         if ev:
             ev[1].record()
         fwd_bwd(batches)
+        t = time.perf_counter()
+        loader.prefetch()  # as Trainer.step: the next batch's host work while the GPU runs this one
+        host += time.perf_counter() - t
         if ev:
             ev[2].record()
         with torch.profiler.record_function("optimizer"):  # --profile: the kernels launched inside it

@@ -311,6 +311,9 @@ def test_train_loader_global_batch_is_split_independent(small_shards, batch, wor
     assert tg.resolve_grad_accum(dataclasses.replace(cfg, grad_accum_steps=accum), world) == accum
     loaders = [tg.TrainLoader(files, cfg, tg.Dist(r, world, r, CPU), accum) for r in range(world)]
     for step in range(12):  # 12 * 32 = 384 tokens: wraps the 163-token stream twice
+        if step % 3 == 1:  # prefetching (on some steps, any number of times) changes no batch
+            for ld in loaders:
+                ld.prefetch(), ld.prefetch()
         assert _gathered_step(loaders) == _expected_step(all_tokens, step, batch, T), f"step {step}"
 
 
@@ -321,6 +324,7 @@ def test_train_loader_state_dict_restores_position(small_shards):
     a = tg.TrainLoader(files, cfg, d, 2)
     for _ in range(3):
         a.next_batch()
+        a.prefetch()  # as the trainer does: the next batch is queued when the state is taken
     state = a.state_dict()
     assert state["file_idx"] != 0  # 96 tokens in: inside the 4th shard, so restoring must reopen a shard
     after = [[(x.clone(), y.clone()) for x, y in a.next_batch()] for _ in range(5)]
@@ -376,6 +380,7 @@ def test_coprime_loader_is_split_independent_and_restorable(small_shards, world,
     loaders = [tg.TrainLoader(files, cfg, tg.Dist(r, world, r, CPU), accum) for r in range(world)]
     for step in range(7):  # 7 * 8 = 56 sequences > 40 slots: crosses a cycle
         assert _gathered_step(loaders) == _coprime_expected(all_tokens, step, batch, T), f"step {step}"
+    loaders[0].prefetch()
     state = loaders[0].state_dict()  # taken with the next batch already prefetched
     want = _gathered_step(loaders[:1]) if world == 1 else None
     fresh = tg.TrainLoader(files, cfg, tg.Dist(0, world, 0, CPU), accum)
