@@ -1619,7 +1619,7 @@ class Trainer:
         sx.copy_(x)
         sy.copy_(y)
         graph.replay()
-        return loss
+        return loss.clone()  # the graph's output is overwritten by the next replay
 
     def _fwd_bwd(self, x: Tensor, y: Tensor) -> Tensor:
         with autocast(self.d.device):
@@ -1672,7 +1672,7 @@ class Trainer:
         if cfg.warmup_steps <= 0:
             return
         if cfg.late_qat_threshold > 0 and cfg.warmup_steps < 2:
-            self.log("warning WARMUP_STEPS < 2: the late-QAT variant will compile inside the timed window")
+            self.log("warning WARMUP_STEPS < 2: the late-QAT variant will compile (and capture) inside the timed window")
         saved = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict()),
                  self.loader.state_dict())
         for i in range(cfg.warmup_steps):
@@ -1745,7 +1745,7 @@ class Trainer:
         """Scoring and TTT after training need the memory the graphs' pool and gradient buffers hold."""
         if self.graphed:
             self.graphs.clear()
-            self.opt.keep_grads = False
+            self.graphed = self.opt.keep_grads = False
             self.opt.zero_grad()
             torch.cuda.empty_cache()
 
