@@ -459,7 +459,7 @@ class Optimizers:
 
     def __init__(self, model: nn.Module, cfg: Hyperparameters, d: Dist):
         groups = group_parameters(model)
-        self.keep_grads = resolve_cuda_graphs(cfg, d.device)  # the graphs accumulate into fixed .grad buffers
+        self.keep_grads = False  # zero .grad instead of freeing it (set by the Trainer while CUDA graphs use it)
         self.rank, self.world_size = d.rank, d.world_size
         comm = cfg.muon_reduce_dtype
         comm_dtype = torch.bfloat16 if comm == "bf16" or (comm == "auto" and d.device.type == "cuda") \
@@ -1608,7 +1608,7 @@ class Trainer:
         self.grad_accum = grad_accum
         self.opt = Optimizers(model, cfg, d)
         self.fwd = torch.compile(model, dynamic=False, fullgraph=True) if compile_enabled else model
-        self.graphed = resolve_cuda_graphs(cfg, d.device)
+        self.graphed = self.opt.keep_grads = resolve_cuda_graphs(cfg, d.device)  # graphs accumulate into fixed .grad
         self.graphs: dict[bool, tuple] = {}  # model.qat_enabled -> (graph, static x, static y, static loss)
 
     def fwd_bwd(self, x: Tensor, y: Tensor) -> Tensor:
