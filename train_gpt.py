@@ -49,7 +49,7 @@ CHOICES = {
     "muon_reduce_dtype": ("auto", "bf16", "fp32"),
     "device": ("auto", "cuda", "cpu"),
     "train_sampling": ("sequential", "coprime"),
-    "qk_kernel": ("auto", "triton", "torch"),
+    "kernels": ("auto", "triton", "torch"),
     "cuda_graphs": ("auto", "0", "1"),
 }
 
@@ -98,7 +98,7 @@ class Hyperparameters:
     ve_dim: int = 128  # value-embedding table width (projected to the KV width)
     ve_layers: str = "9,10"  # comma-separated layer indices
     attn_backend: str = "auto"  # auto = fa3 if importable, else SDPA cudnn (CUDA) / math (CPU)
-    qk_kernel: str = "auto"  # q/k norm+RoPE+gain: auto = triton on CUDA, torch ops on CPU (triton there needs TRITON_INTERPRET=1)
+    kernels: str = "auto"  # q/k norm+RoPE+gain and XSA: auto = triton on CUDA, torch ops on CPU (triton there needs TRITON_INTERPRET=1)
     fp8_enabled: bool = False  # training bank matmuls in e4m3, per-row scales, bf16 backward; scoring stays bf16
     # --- optimizer
     matrix_lr: float = 0.025  # Muon lr for the four banks
@@ -889,7 +889,7 @@ def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str) -> T
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
 
 
-def exclusive_self_attention(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
+def exclusive_self_attention_reference(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
     """XSA (PR #265 lineage): remove from each head's output its component along its own token's
     normalised value vector, so attention carries context rather than the token itself."""
     B, T, H, D = y_BTHD.shape
@@ -897,6 +897,105 @@ def exclusive_self_attention(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
     y = y_BTHD.reshape(B, T, K, H // K, D)
     vn = F.normalize(v_BTKD, dim=-1).unsqueeze(-2)
     return (y - (y * vn).sum(-1, keepdim=True) * vn).reshape(B, T, H, D)
+
+
+# XSA in one Triton kernel each way. Inductor's fusion wrote the normalised v in fp32 and kept it for the
+# backward, then took three kernels forward and four backward (with the dq|dk|dv assembly): about 12 ms
+# of a record step (H200, torch 2.11) for work whose bytes need about 5. A program takes BR (token, kv
+# head) rows: the kv head's v row and the G = H/K query heads that share it. Math in fp32.
+if triton is not None:
+    @triton.jit
+    def _xsa_rows(r, n_rows, v_stride, K: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BG: tl.constexpr,
+                  BD: tl.constexpr):
+        """Offsets and masks of rows r = (token, kv head): v's (BR, BD), and y's (BR, BG, BD) for the G
+        query heads sharing the kv head. (No pointers through helpers: inductor's mutation analysis then
+        took every pointer for written and copied the whole q|k|v projection around each call.)"""
+        d = tl.arange(0, BD)
+        v_mask = (r < n_rows)[:, None] & (d < D)[None, :]
+        g = tl.arange(0, BG)
+        y_off = (r[:, None, None] * G + g[None, :, None]) * D + d[None, None, :]
+        y_mask = v_mask[:, None, :] & (g < G)[None, :, None]
+        return (r // K * v_stride + r % K * D)[:, None] + d[None, :], v_mask, y_off, y_mask
+
+    @triton.jit
+    def _xsa_fwd(y_ptr, v_ptr, out_ptr, n_rows, v_stride, K: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                 BG: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, EPS: tl.constexpr):
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        v_off, v_mask, y_off, y_mask = _xsa_rows(r, n_rows, v_stride, K, G, D, BG, BD)
+        v = tl.load(v_ptr + v_off, mask=v_mask, other=0.0).to(tl.float32)
+        vn = (v / tl.maximum(tl.sqrt(tl.sum(v * v, 1)), EPS)[:, None])[:, None, :]
+        y = tl.load(y_ptr + y_off, mask=y_mask, other=0.0).to(tl.float32)
+        out = y - tl.sum(y * vn, 2)[:, :, None] * vn
+        tl.store(out_ptr + y_off, out.to(out_ptr.dtype.element_ty), mask=y_mask)
+
+    @triton.jit
+    def _xsa_bwd(dout_ptr, y_ptr, v_ptr, dy_ptr, dv_ptr, n_rows, v_stride, K: tl.constexpr, G: tl.constexpr,
+                 D: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, EPS: tl.constexpr):
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        v_off, v_mask, y_off, y_mask = _xsa_rows(r, n_rows, v_stride, K, G, D, BG, BD)
+        v = tl.load(v_ptr + v_off, mask=v_mask, other=0.0).to(tl.float32)
+        nrm = tl.sqrt(tl.sum(v * v, 1))
+        inv = 1.0 / tl.maximum(nrm, EPS)
+        vn = v * inv[:, None]
+        y = tl.load(y_ptr + y_off, mask=y_mask, other=0.0).to(tl.float32)
+        do = tl.load(dout_ptr + y_off, mask=y_mask, other=0.0).to(tl.float32)
+        s = tl.sum(y * vn[:, None, :], 2)[:, :, None]  # out = y - s vn
+        t = tl.sum(do * vn[:, None, :], 2)[:, :, None]
+        tl.store(dy_ptr + y_off, (do - t * vn[:, None, :]).to(dy_ptr.dtype.element_ty), mask=y_mask)
+        dvn = -tl.sum(s * do + t * y, 1)  # summed over the kv head's query heads
+        # v / max(|v|, eps): the projection's gradient above eps, a plain scaling below it
+        dv = tl.where((nrm >= EPS)[:, None], dvn - vn * tl.sum(dvn * vn, 1)[:, None], dvn) * inv[:, None]
+        d = tl.arange(0, BD)
+        tl.store(dv_ptr + r[:, None] * D + d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=v_mask)
+
+
+XSA_ROWS_PER_PROGRAM = 16
+
+
+def _xsa_launch_args(y_BTHD: Tensor, v_BTKD: Tensor) -> tuple:
+    B, T, H, D = y_BTHD.shape
+    K = v_BTKD.size(2)
+    if v_BTKD.shape != (B, T, K, D) or H % K:
+        raise ValueError(f"xsa: y {tuple(y_BTHD.shape)} and v {tuple(v_BTKD.shape)} are not (B,T,H,D), (B,T,K,D), K | H")
+    if v_BTKD.stride(3) != 1 or v_BTKD.stride(2) != D or v_BTKD.stride(0) != T * v_BTKD.stride(1):
+        raise ValueError(f"xsa needs v's heads packed in each token's row, got strides {v_BTKD.stride()}")
+    if max(v_BTKD.stride(0), H * D * T) * B >= 2**31:
+        raise ValueError(f"xsa: {B * T} tokens overflow 32-bit offsets")
+    n_rows = B * T * K
+    meta = dict(K=K, G=H // K, D=D, BG=triton.next_power_of_2(H // K), BD=triton.next_power_of_2(D),
+                BR=XSA_ROWS_PER_PROGRAM, EPS=1e-12)  # F.normalize's eps
+    return (triton.cdiv(n_rows, XSA_ROWS_PER_PROGRAM),), n_rows, v_BTKD.stride(1), meta
+
+
+@torch.library.triton_op("pgolf::xsa", mutates_args=())
+def exclusive_self_attention(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
+    """exclusive_self_attention_reference in one Triton kernel (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+    grid, n_rows, v_stride, meta = _xsa_launch_args(y_BTHD, v_BTKD)
+    y = y_BTHD.contiguous()
+    out = torch.empty_like(y)
+    torch.library.wrap_triton(_xsa_fwd)[grid](y, v_BTKD, out, n_rows, v_stride, **meta)
+    return out
+
+
+@torch.library.triton_op("pgolf::xsa_backward", mutates_args=())
+def exclusive_self_attention_backward(dout_BTHD: Tensor, y_BTHD: Tensor, v_BTKD: Tensor) -> tuple[Tensor, Tensor]:
+    grid, n_rows, v_stride, meta = _xsa_launch_args(y_BTHD, v_BTKD)
+    dout, y = dout_BTHD.contiguous(), y_BTHD.contiguous()
+    dy = torch.empty_like(y)
+    dv = torch.empty(v_BTKD.shape, dtype=v_BTKD.dtype, device=v_BTKD.device)
+    torch.library.wrap_triton(_xsa_bwd)[grid](dout, y, v_BTKD, dy, dv, n_rows, v_stride, **meta)
+    return dy, dv
+
+
+def _xsa_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _xsa_backward(ctx, dout):
+    return exclusive_self_attention_backward(dout, *ctx.saved_tensors)
+
+
+exclusive_self_attention.register_autograd(_xsa_backward, setup_context=_xsa_setup_context)
 
 
 def fake_quant_int6(w: Tensor, floor: float) -> Tensor:
@@ -954,12 +1053,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: Hyperparameters, attn_backend: str = "math", qk_kernel: str = "torch"):
+    def __init__(self, cfg: Hyperparameters, attn_backend: str = "math", kernels: str = "torch"):
         super().__init__()
         L, D, V = cfg.num_layers, cfg.model_dim, cfg.vocab_size
         kv_dim, mlp_dim = cfg.num_kv_heads * cfg.head_dim, int(cfg.mlp_mult * D)
         self.cfg, self.attn_backend, self.qat_enabled = cfg, attn_backend, False
-        self.qk_kernel = qk_kernel
+        self.kernels = kernels
         self.tok_emb = nn.Embedding(V, D)
         # Banks (PR #399): one 3-D parameter per matrix kind so Muon orthogonalises them batched.
         self.qo_bank = nn.Parameter(torch.empty(2 * L, D, D))  # [0,L): Q, [L,2L): attention out
@@ -1052,7 +1151,9 @@ class GPT(nn.Module):
         if T > self.rope_cos.size(0):
             raise ValueError(f"sequence length {T} > max(TRAIN_SEQ_LEN, EVAL_SEQ_LEN) = {self.rope_cos.size(0)}")
         H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qk_fn = qk_norm_rope if self.qk_kernel == "triton" else qk_norm_rope_reference
+        triton_kernels = self.kernels == "triton"
+        qk_fn = qk_norm_rope if triton_kernels else qk_norm_rope_reference
+        xsa_fn = exclusive_self_attention if triton_kernels else exclusive_self_attention_reference
         for i, blk in enumerate(self.blocks):
             if i >= self.num_encoder and skips:
                 x = x + self.skip_weights[i - self.num_encoder].to(x.dtype) * skips.pop()
@@ -1072,7 +1173,7 @@ class GPT(nn.Module):
             k = qk_fn(k, self.rope_cos, self.rope_sin, None)
             y = attention(q, k, v, self.attn_backend)
             if i >= L - cfg.xsa_last_n:
-                y = exclusive_self_attention(y, v)
+                y = xsa_fn(y, v)
             x = x + blk.attn_scale.to(x.dtype) * linear(y.reshape(B, T, H * hd), qo[L + i])
             u = linear(rms_norm(x) * ln, up[i])
             u = F.leaky_relu(u, cfg.mlp_negative_slope) if cfg.mlp_negative_slope > 0 else F.relu(u)
@@ -1106,13 +1207,13 @@ def resolve_attn_backend(cfg: Hyperparameters, device: torch.device) -> str:
     return "fa3" if importlib.util.find_spec("flash_attn_interface") else "cudnn"
 
 
-def resolve_qk_kernel(cfg: Hyperparameters, device: torch.device) -> str:
-    if cfg.qk_kernel == "triton" and triton is None:
-        raise ValueError("QK_KERNEL=triton needs the triton package")
-    if cfg.qk_kernel == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("QK_KERNEL=triton off CUDA needs TRITON_INTERPRET=1 (Triton's interpreter)")
-    if cfg.qk_kernel != "auto":
-        return cfg.qk_kernel
+def resolve_kernels(cfg: Hyperparameters, device: torch.device) -> str:
+    if cfg.kernels == "triton" and triton is None:
+        raise ValueError("KERNELS=triton needs the triton package")
+    if cfg.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("KERNELS=triton off CUDA needs TRITON_INTERPRET=1 (Triton's interpreter)")
+    if cfg.kernels != "auto":
+        return cfg.kernels
     return "triton" if device.type == "cuda" and triton is not None else "torch"
 
 
@@ -1152,7 +1253,7 @@ def build_model(cfg: Hyperparameters, device: torch.device, attn_backend: str) -
         dims = (cfg.model_dim, cfg.num_kv_heads * cfg.head_dim, int(cfg.mlp_mult * cfg.model_dim))
         if any(n % 16 for n in dims):
             raise ValueError(f"FP8_ENABLED=1 on CUDA needs bank dims divisible by 16, got {dims}")
-    model = GPT(cfg, attn_backend, resolve_qk_kernel(cfg, device)).to(device)
+    model = GPT(cfg, attn_backend, resolve_kernels(cfg, device)).to(device)
     if device.type == "cuda":
         for name, p in model.named_parameters():
             if name.endswith("embed.weight") or name == "tok_emb.weight":
@@ -1803,7 +1904,7 @@ def main() -> int:
     compile_enabled = resolve_compile(cfg, d.device)
     grad_accum = resolve_grad_accum(cfg, d.world_size)
     log(f"layout world_size:{d.world_size} grad_accum_steps:{grad_accum} attn_backend:{attn_backend} "
-        f"qk_kernel:{resolve_qk_kernel(cfg, d.device)} compile:{int(compile_enabled)} "
+        f"kernels:{resolve_kernels(cfg, d.device)} compile:{int(compile_enabled)} "
         f"cuda_graphs:{int(resolve_cuda_graphs(cfg, d.device))}")
 
     import sentencepiece as spm

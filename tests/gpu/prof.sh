@@ -1,7 +1,7 @@
 # nvidia-h200: record-config bench with the kernel profile (by kind, top kernels, memset issuers) and the
 # inductor output code of the working tree's train_gpt.py (extra env: PROFILE_ENV); then 10-step benches
 # of RUNS, one per line: "FILE [VAR=VALUE ...]" with FILE copied over train_gpt.py (- = the working
-# tree's). No late QAT (REFERENCE.md's timing rule), 3 warmup steps.
+# tree's); BENCH_ARGS: extra bench flags (e.g. --sync). No late QAT (REFERENCE.md's timing rule), 3 warmup steps.
 SHARDS=2 source tests/gpu/setup.sh
 export MAX_WALLCLOCK_SECONDS=0 WARMUP_STEPS=3 LATE_QAT_THRESHOLD=0 VAL_LOSS_EVERY=0 PROFILE_ROWS=${PROFILE_ROWS:-5}
 cp train_gpt.py /tmp/train_gpt.orig.py
@@ -14,6 +14,6 @@ echo "$RUNS" | while read -r f v; do
   [ -z "$f" ] && continue
   echo "== $f $v" | tee -a $OUT/prof.log
   if [ "$f" = - ]; then cp /tmp/train_gpt.orig.py train_gpt.py; else cp "$f" train_gpt.py; fi
-  env $v timeout ${RUN_TIMEOUT:-300} python3 tests/bench_gpu.py --steps 10 2>&1 | grep -E "^bench|Error" | tee -a $OUT/prof.log
+  env $v timeout ${RUN_TIMEOUT:-300} python3 tests/bench_gpu.py --steps 10 $BENCH_ARGS 2>&1 | grep -E "^bench|Error" | tee -a $OUT/prof.log
 done
 cp /tmp/train_gpt.orig.py train_gpt.py
