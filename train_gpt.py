@@ -815,11 +815,17 @@ if triton is not None:
 QK_ROWS_PER_PROGRAM = 16  # record shapes, H200, 4 warps: 11-14% faster than 64 rows; 128 was slower
 
 
+def _require_packed_heads(t_BTHD: Tensor, op: str) -> None:
+    """The kernels' row indexing: unit channel stride, heads back to back, batches of T token rows."""
+    T, D = t_BTHD.size(1), t_BTHD.size(3)
+    if t_BTHD.stride(3) != 1 or t_BTHD.stride(2) != D or t_BTHD.stride(0) != T * t_BTHD.stride(1):
+        raise ValueError(f"{op} needs heads packed in each token's row, got strides {t_BTHD.stride()}")
+
+
 def _qk_launch_args(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_H: Tensor | None) -> tuple:
     """What the kernels assume, checked: they index with 32-bit offsets and read the tables unchecked."""
     B, T, H, D = x_BTHD.shape
-    if x_BTHD.stride(3) != 1 or x_BTHD.stride(2) != D or x_BTHD.stride(0) != T * x_BTHD.stride(1):
-        raise ValueError(f"qk_norm_rope needs heads packed in each token's row, got strides {x_BTHD.stride()}")
+    _require_packed_heads(x_BTHD, "qk_norm_rope")
     if x_BTHD.stride(0) * B >= 2**31:
         raise ValueError(f"qk_norm_rope: {B * T} tokens of stride {x_BTHD.stride(1)} overflow 32-bit offsets")
     for t in (cos_TF, sin_TF):
@@ -866,8 +872,8 @@ def qk_norm_rope_backward(dy_BTHD: Tensor, x_BTHD: Tensor, cos_TF: Tensor, sin_T
     return dx, dg_rows.view(-1, H).sum(0)
 
 
-def _qk_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:3], inputs[3])
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
 
 
 def _qk_backward(ctx, dy):
@@ -876,7 +882,7 @@ def _qk_backward(ctx, dy):
     return dx, None, None, (dg.to(gain.dtype) if gain is not None else None)
 
 
-qk_norm_rope.register_autograd(_qk_backward, setup_context=_qk_setup_context)
+qk_norm_rope.register_autograd(_qk_backward, setup_context=_save_inputs)
 
 
 def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str) -> Tensor:
@@ -908,8 +914,9 @@ if triton is not None:
     def _xsa_rows(r, n_rows, v_stride, K: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BG: tl.constexpr,
                   BD: tl.constexpr):
         """Offsets and masks of rows r = (token, kv head): v's (BR, BD), and y's (BR, BG, BD) for the G
-        query heads sharing the kv head. (No pointers through helpers: inductor's mutation analysis then
-        took every pointer for written and copied the whole q|k|v projection around each call.)"""
+        query heads sharing the kv head. Pointers stay out of it: with them passed in (one unused), torch
+        2.11's mutation analysis took y and v for written (not so for _qk_load's), and compile copied the
+        whole q|k|v projection around each call; test_inductor_sees_each_kernel_write_only_its_outputs."""
         d = tl.arange(0, BD)
         v_mask = (r < n_rows)[:, None] & (d < D)[None, :]
         g = tl.arange(0, BG)
@@ -957,8 +964,7 @@ def _xsa_launch_args(y_BTHD: Tensor, v_BTKD: Tensor) -> tuple:
     K = v_BTKD.size(2)
     if v_BTKD.shape != (B, T, K, D) or H % K:
         raise ValueError(f"xsa: y {tuple(y_BTHD.shape)} and v {tuple(v_BTKD.shape)} are not (B,T,H,D), (B,T,K,D), K | H")
-    if v_BTKD.stride(3) != 1 or v_BTKD.stride(2) != D or v_BTKD.stride(0) != T * v_BTKD.stride(1):
-        raise ValueError(f"xsa needs v's heads packed in each token's row, got strides {v_BTKD.stride()}")
+    _require_packed_heads(v_BTKD, "xsa (v)")
     if max(v_BTKD.stride(0), H * D * T) * B >= 2**31:
         raise ValueError(f"xsa: {B * T} tokens overflow 32-bit offsets")
     n_rows = B * T * K
@@ -987,15 +993,11 @@ def exclusive_self_attention_backward(dout_BTHD: Tensor, y_BTHD: Tensor, v_BTKD:
     return dy, dv
 
 
-def _xsa_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
 def _xsa_backward(ctx, dout):
     return exclusive_self_attention_backward(dout, *ctx.saved_tensors)
 
 
-exclusive_self_attention.register_autograd(_xsa_backward, setup_context=_xsa_setup_context)
+exclusive_self_attention.register_autograd(_xsa_backward, setup_context=_save_inputs)
 
 
 def fake_quant_int6(w: Tensor, floor: float) -> Tensor:

@@ -155,9 +155,9 @@ def test_xsa_kernel_refuses_what_it_cannot_index():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's TTIR (the analysis's input) needs a GPU driver")
 def test_inductor_sees_each_kernel_write_only_its_outputs():
-    """torch.compile copies every tensor a user kernel may write (functionalisation): a pointer the TTIR
-    analysis cannot follow (one passed to a jit helper, in torch 2.11) counts as written, and the XSA op's
-    v, a slice of the q|k|v projection, then cost two copies of the whole projection per call."""
+    """torch.compile copies every tensor a user kernel may write (functionalisation). The first XSA kernels
+    passed pointers to a jit helper; torch 2.11's analysis then counted y and v as written, and the XSA op's
+    v, a slice of the q|k|v projection, cost two copies of the whole projection per call."""
     import torch._higher_order_ops.triton_kernel_wrap as tkw
     analyse = getattr(tkw, "identify_mutated_tensors", None)
     if analyse is None:  # newer torch
