@@ -1,4 +1,4 @@
-"""The Triton kernels (KERNELS=triton: q/k RMSNorm + RoPE + gain, and XSA) against float64 references,
+"""The Triton kernels (KERNELS=triton: q/k RMSNorm + RoPE + gain, XSA, soft-capped cross entropy) against float64 references,
 forward and backward, and the whole model with them against the PyTorch-ops model. On the CPU the kernels run
 in Triton's interpreter (conftest sets TRITON_INTERPRET=1), on a GPU machine compiled (`python3 -m pytest
 tests/test_kernels.py` there). Without the triton package these tests are skipped; .ci/run installs it
@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
@@ -153,6 +154,51 @@ def test_xsa_kernel_refuses_what_it_cannot_index():
         tg.exclusive_self_attention(y, torch.randn(1, 4, 8, 2, device=DEV).transpose(2, 3))
 
 
+# (N, V, cap, dtype): record vocab in bf16, no cap, a vocab that is not a power of two (masked lanes), and a
+# vocab above one 1024-lane block
+CE_CASES = [(37, 1024, 30.0, torch.bfloat16), (5, 100, 0.0, torch.float32), (9, 64, 15.0, torch.float32),
+            (3, 3000, 30.0, torch.float32)]
+
+
+def ce_reference64(x, t, cap):
+    x = x.double()
+    return F.cross_entropy(cap * torch.tanh(x / cap) if cap > 0 else x, t, reduction="none")
+
+
+@pytest.mark.parametrize("N,V,cap,dtype", CE_CASES)
+def test_softcap_ce_kernel_forward_and_backward_equal_float64_reference(N, V, cap, dtype):
+    """Per-row losses, and the logits' gradient for per-row loss weights, a mean (the training loss) and a
+    plain sum (its gradient reaches the kernel as one value expanded, stride 0)."""
+    g = torch.Generator().manual_seed(N * 1000 + V)
+    x = (torch.randn(N, V, generator=g) * 20).to(DEV, dtype).requires_grad_()  # beyond the cap: tanh saturates
+    t = torch.randint(0, V, (N,), generator=g).to(DEV)
+    w = torch.randn(N, generator=g).to(DEV)
+    x64 = x.detach().cpu().double().requires_grad_()
+    for total in (lambda rows: (rows * w.to(rows)).sum(), torch.mean, torch.sum):
+        x.grad = x64.grad = None
+        loss, want = tg.softcap_cross_entropy(x, t, cap), ce_reference64(x64, t.cpu(), cap)
+        total(loss).backward()
+        total(want).backward()
+        assert loss.dtype == torch.float32 and loss.shape == (N,) and x.grad.dtype == dtype
+        torch.testing.assert_close(loss.detach().cpu().double(), want.detach(), rtol=1e-5, atol=2e-5)
+        if dtype == torch.bfloat16:
+            assert within_one_ulp(x.grad.cpu(), x64.grad)
+        else:
+            torch.testing.assert_close(x.grad.cpu().double(), x64.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_softcap_ce_kernel_refuses_what_it_cannot_run():
+    x = torch.randn(4, 16, device=DEV)
+    with pytest.raises(ValueError, match="targets must be int64"):
+        tg.softcap_cross_entropy(x, torch.zeros(4, dtype=torch.int32, device=DEV), 30.0)
+    with pytest.raises(ValueError, match="targets must be int64"):
+        tg.softcap_cross_entropy(x, torch.zeros(3, dtype=torch.int64, device=DEV), 30.0)
+    with pytest.raises(ValueError, match="cap >= 0"):
+        tg.softcap_cross_entropy(x, torch.zeros(4, dtype=torch.int64, device=DEV), -1.0)
+    with pytest.raises(ValueError, match="vocab <= 32768"):
+        tg.softcap_cross_entropy(torch.randn(1, tg.CE_MAX_VOCAB + 1, device=DEV), torch.zeros(1, dtype=torch.int64, device=DEV), 30.0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's TTIR (the analysis's input) needs a GPU driver")
 def test_inductor_sees_each_kernel_write_only_its_outputs():
     """torch.compile copies every tensor a user kernel may write (functionalisation). The first XSA kernels
@@ -177,6 +223,11 @@ def test_inductor_sees_each_kernel_write_only_its_outputs():
              (tg._qk_norm_rope_bwd, dict(dy_ptr=y, x_ptr=q, dx_ptr=out, dg_ptr=gain, **qk), ["dx_ptr", "dg_ptr"]),
              (tg._xsa_fwd, dict(y_ptr=y, v_ptr=v, out_ptr=out, **xsa), ["out_ptr"]),
              (tg._xsa_bwd, dict(dout_ptr=y, y_ptr=y, v_ptr=v, dy_ptr=out, dv_ptr=dv, **xsa), ["dy_ptr", "dv_ptr"])]
+    logits, t, rows = torch.randn(8, 64, device="cuda"), torch.zeros(8, dtype=torch.int64, device="cuda"), torch.empty(8, device="cuda")
+    ce = dict(V=64, BV=64, CAP=30.0)
+    cases += [(tg._softcap_ce_fwd, dict(x_ptr=logits, t_ptr=t, loss_ptr=rows, lse_ptr=gain, **ce), ["loss_ptr", "lse_ptr"]),
+              (tg._softcap_ce_bwd, dict(x_ptr=logits, t_ptr=t, lse_ptr=rows, g_ptr=gain, g_stride=0, dx_ptr=out, **ce),
+               ["dx_ptr"])]
     found = {kernel.fn.__name__: sorted(analyse(kernel, kwargs, {})) for kernel, kwargs, _ in cases}
     assert found == {kernel.fn.__name__: sorted(written) for kernel, _, written in cases}
 
