@@ -1332,13 +1332,17 @@ def resolve_compile(cfg: Hyperparameters, device: torch.device) -> bool:
 
 
 def configure_cuda(backend: str) -> None:
-    """Pin PyTorch SDPA to one kernel so a silent fallback cannot change speed; turn off inductor's
-    mix-order reductions unless TORCHINDUCTOR_MIX_ORDER_REDUCTION is set: they fused the rms_norm
-    backward with up to 8 per-channel gradient sums into one latency-bound kernel (3.7 ms where its
-    bytes need 0.3 on an H200, torch 2.11); off, the record step went from 604 to 583 ms."""
+    """Pin PyTorch SDPA to one kernel so a silent fallback cannot change speed. Inductor's mix-order
+    reductions (the per-channel scale gradients summed inside the rms_norm backward that reads the same
+    rows) only with multi-stage pipelining, unless TORCHINDUCTOR_MIX_ORDER_REDUCTION is set (torch 2.11,
+    H200, record step): single-stage they were latency-bound (3.7 ms for 0.3 ms of bytes; 604 vs 583 ms
+    off); multi-stage, 1.8 ms less than off (three alternating pairs, 551.5 vs 553.3 ms), +288 MiB."""
     import torch._inductor.config as inductor_config
-    if "TORCHINDUCTOR_MIX_ORDER_REDUCTION" not in os.environ and hasattr(inductor_config.triton, "mix_order_reduction"):
-        inductor_config.triton.mix_order_reduction = False
+    cfg = inductor_config.triton
+    if "TORCHINDUCTOR_MIX_ORDER_REDUCTION" not in os.environ and hasattr(cfg, "mix_order_reduction"):
+        cfg.mix_order_reduction = hasattr(cfg, "mix_order_reduction_allow_multi_stages")
+        if cfg.mix_order_reduction:
+            cfg.mix_order_reduction_allow_multi_stages = True
     if not torch.cuda.is_available():
         return
     b = torch.backends.cuda

@@ -554,17 +554,25 @@ def test_rope_tables_cover_the_longest_sequence_and_refuse_longer():
             model.logits(torch.zeros(1, 25, dtype=torch.long))
 
 
-def test_configure_cuda_turns_mix_order_reductions_off_unless_the_env_sets_them(monkeypatch):
+def test_configure_cuda_sets_mix_order_reductions_multi_stage_unless_the_env_sets_them(monkeypatch):
     import torch._inductor.config as ic
     if not hasattr(ic.triton, "mix_order_reduction"):
         pytest.skip("this torch has no mix-order reductions")
-    monkeypatch.setattr(ic.triton, "mix_order_reduction", True)
-    monkeypatch.setenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION", "1")
+    multi = hasattr(ic.triton, "mix_order_reduction_allow_multi_stages")
+    monkeypatch.setattr(ic.triton, "mix_order_reduction", False)
+    if multi:
+        monkeypatch.setattr(ic.triton, "mix_order_reduction_allow_multi_stages", False)
+    monkeypatch.setenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION", "0")
     tg.configure_cuda("math")
-    assert ic.triton.mix_order_reduction is True  # the user's explicit choice stands
+    assert ic.triton.mix_order_reduction is False  # the user's explicit choice stands
     monkeypatch.delenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION")
     tg.configure_cuda("math")
-    assert ic.triton.mix_order_reduction is False
+    assert ic.triton.mix_order_reduction is multi  # single-stage only (older torch): off
+    if multi:
+        assert ic.triton.mix_order_reduction_allow_multi_stages is True
+        monkeypatch.delattr(ic.triton, "mix_order_reduction_allow_multi_stages")
+        tg.configure_cuda("math")
+        assert ic.triton.mix_order_reduction is False
 
 
 @pytest.mark.parametrize("name", ["full", "mha"])
