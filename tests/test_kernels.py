@@ -215,12 +215,12 @@ def test_inductor_sees_each_kernel_write_only_its_outputs():
     y, out, dv = torch.randn(B, T, H, D, device="cuda"), torch.empty(B, T, H, D, device="cuda"), torch.empty_like(v)
     cos, sin = (t.cuda() for t in tg.rope_tables(T, 16, 10000.0))
     gain = torch.ones(H, device="cuda")
-    _, n, stride, T_, meta = tg._qk_launch_args(q, cos, sin, gain)
-    qk = dict(cos_ptr=cos, sin_ptr=sin, g_ptr=gain, n_rows=n, x_stride=stride, T=T_, HAS_GAIN=True, **meta)
+    _, n, stride, T_, fwd_meta, bwd_meta = tg._qk_launch_args(q, cos, sin, gain)
+    qk = dict(cos_ptr=cos, sin_ptr=sin, g_ptr=gain, n_rows=n, x_stride=stride, T=T_, HAS_GAIN=True)
     _, n, v_stride, xmeta = tg._xsa_launch_args(y, v)
     xsa = dict(n_rows=n, v_stride=v_stride, **xmeta)
-    cases = [(tg._qk_norm_rope_fwd, dict(x_ptr=q, y_ptr=out, **qk), ["y_ptr"]),
-             (tg._qk_norm_rope_bwd, dict(dy_ptr=y, x_ptr=q, dx_ptr=out, dg_ptr=gain, **qk), ["dx_ptr", "dg_ptr"]),
+    cases = [(tg._qk_norm_rope_fwd, dict(x_ptr=q, y_ptr=out, **qk, **fwd_meta), ["y_ptr"]),
+             (tg._qk_norm_rope_bwd, dict(dy_ptr=y, x_ptr=q, dx_ptr=out, dg_ptr=gain, **qk, **bwd_meta), ["dx_ptr", "dg_ptr"]),
              (tg._xsa_fwd, dict(y_ptr=y, v_ptr=v, out_ptr=out, **xsa), ["out_ptr"]),
              (tg._xsa_bwd, dict(dout_ptr=y, y_ptr=y, v_ptr=v, dy_ptr=out, dv_ptr=dv, **xsa), ["dy_ptr", "dv_ptr"])]
     logits, t, rows = torch.randn(8, 64, device="cuda"), torch.zeros(8, dtype=torch.int64, device="cuda"), torch.empty(8, device="cuda")
