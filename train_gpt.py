@@ -98,7 +98,7 @@ class Hyperparameters:
     ve_dim: int = 128  # value-embedding table width (projected to the KV width)
     ve_layers: str = "9,10"  # comma-separated layer indices
     attn_backend: str = "auto"  # auto = fa3 if importable, else SDPA cudnn (CUDA) / math (CPU)
-    kernels: str = "auto"  # q/k norm+RoPE+gain and XSA: auto = triton on CUDA, torch ops on CPU (triton there needs TRITON_INTERPRET=1)
+    kernels: str = "auto"  # q/k norm+RoPE+gain, XSA, soft-capped cross entropy: auto = triton on CUDA, torch ops on CPU (triton there needs TRITON_INTERPRET=1)
     fp8_enabled: bool = False  # training bank matmuls in e4m3, per-row scales, bf16 backward; scoring stays bf16
     # --- optimizer
     matrix_lr: float = 0.025  # Muon lr for the four banks
