@@ -749,7 +749,8 @@ def qk_norm_rope_reference(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_
 
 # One Triton kernel each way for q/k RMSNorm + RoPE + gain. Inductor's fusion of these ops stored the
 # pre-gain tensor for the gain's gradient and read it back in a separate reduction: 39 ms of a 566 ms
-# record step (H200, torch 2.11); these kernels took 23 ms (64-row blocks), and peak memory fell 1.1 GB.
+# record step (H200, torch 2.11); these kernels took 23 ms (64-row blocks; 19.7 with 16), and peak memory
+# fell 1.1 GB.
 # The forward reads x once and writes y; the backward recomputes the norm from x and writes dx plus one
 # gain-gradient partial per row. Math in fp32, one bf16 rounding.
 # Rows are (token, head) pairs. The forward loads each row as three parts (the two rotated halves and
@@ -1027,8 +1028,9 @@ exclusive_self_attention.register_autograd(_xsa_backward, setup_context=_save_in
 # instruction sequences, and the backward summed a one-hot row to find the target's gradient scale.
 # Here tanh is 1 - 2 / (2^(2x log2(e) / cap) + 1) (absolute error about 1e-7 before the cap: far below
 # the bf16 logits' rounding), the forward keeps each row's log-sum-exp, and the backward recomputes the
-# softmax from it. A program takes one row of logits; math in fp32, 64-bit offsets. Targets are not
-# range-checked here: open_shard checks every token against VOCAB_SIZE.
+# softmax from it. A program takes one row of logits; math in fp32 (the torch path rounds the capped logits
+# to bf16 under autocast), 64-bit offsets. Targets are not range-checked here: open_shard checks every
+# token against VOCAB_SIZE.
 if triton is not None:
     @triton.jit
     def _softcap(x, CAP: tl.constexpr):
@@ -1071,6 +1073,8 @@ def _ce_launch_args(logits_NV: Tensor, targets_N: Tensor, cap: float) -> tuple:
     """Grid and constants, and warps for the forward and the backward: at the record shape (1024 logits)
     on an H200, 84 us forward with 1 warp (4 warps: 113; 2 TB/s, bound by the three exp2/rcp per logit) and
     104 us backward with 4 (3.9 TB/s); more rows per program were slower both ways."""
+    if logits_NV.dim() != 2:
+        raise ValueError(f"softcap_cross_entropy: logits must be (N, V), got {tuple(logits_NV.shape)}")
     N, V = logits_NV.shape
     if targets_N.shape != (N,) or targets_N.dtype != torch.int64:
         raise ValueError(f"softcap_cross_entropy: targets must be int64 ({N},), got {targets_N.dtype} {tuple(targets_N.shape)}")
@@ -1085,25 +1089,26 @@ def _ce_launch_args(logits_NV: Tensor, targets_N: Tensor, cap: float) -> tuple:
 @torch.library.triton_op("pgolf::softcap_ce", mutates_args=())
 def _softcap_ce(logits_NV: Tensor, targets_N: Tensor, cap: float) -> tuple[Tensor, Tensor]:
     grid, meta, (warps, _) = _ce_launch_args(logits_NV, targets_N, cap)
-    x = logits_NV.contiguous()
+    x, t = logits_NV.contiguous(), targets_N.contiguous()
     loss = torch.empty(x.size(0), dtype=torch.float32, device=x.device)
     lse = torch.empty_like(loss)
-    torch.library.wrap_triton(_softcap_ce_fwd)[grid](x, targets_N, loss, lse, num_warps=warps, **meta)
+    torch.library.wrap_triton(_softcap_ce_fwd)[grid](x, t, loss, lse, num_warps=warps, **meta)
     return loss, lse
 
 
 @torch.library.triton_op("pgolf::softcap_ce_backward", mutates_args=())
 def _softcap_ce_backward(dloss_N: Tensor, logits_NV: Tensor, targets_N: Tensor, lse_N: Tensor, cap: float) -> Tensor:
     grid, meta, (_, warps) = _ce_launch_args(logits_NV, targets_N, cap)
-    x, g = logits_NV.contiguous(), dloss_N.float()
+    x, t, g = logits_NV.contiguous(), targets_N.contiguous(), dloss_N.float()
     dx = torch.empty_like(x)
-    torch.library.wrap_triton(_softcap_ce_bwd)[grid](x, targets_N, lse_N, g, g.stride(0), dx, num_warps=warps, **meta)
+    torch.library.wrap_triton(_softcap_ce_bwd)[grid](x, t, lse_N, g, g.stride(0), dx, num_warps=warps, **meta)
     return dx
 
 
 def _ce_setup(ctx, inputs, output):
     logits, targets, ctx.cap = inputs
     ctx.save_for_backward(logits, targets, output[1])
+    ctx.mark_non_differentiable(output[1])  # the log-sum-exp is the backward's, not a result
 
 
 def _ce_backward(ctx, dloss, _dlse):
@@ -1116,7 +1121,8 @@ _softcap_ce.register_autograd(_ce_backward, setup_context=_ce_setup)
 
 def softcap_cross_entropy(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Tensor:
     """Per-row cross entropy (fp32) of cap * tanh(logits / cap), or of the logits when cap is 0: GPT.logits
-    and F.cross_entropy in one Triton kernel each way (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+    and F.cross_entropy in one Triton kernel each way (CUDA, or the CPU under TRITON_INTERPRET=1). Every
+    target must be a class index (no ignore_index)."""
     return _softcap_ce(logits_NV, targets_N, cap)[0]
 
 
@@ -1356,15 +1362,17 @@ def resolve_compile(cfg: Hyperparameters, device: torch.device) -> bool:
 def configure_cuda(backend: str) -> None:
     """Pin PyTorch SDPA to one kernel so a silent fallback cannot change speed. Inductor's mix-order
     reductions (the per-channel scale gradients summed inside the rms_norm backward that reads the same
-    rows) only with multi-stage pipelining, unless TORCHINDUCTOR_MIX_ORDER_REDUCTION is set (torch 2.11,
-    H200, record step): single-stage they were latency-bound (3.7 ms for 0.3 ms of bytes; 604 vs 583 ms
-    off); multi-stage, 1.8 ms less than off (three alternating pairs, 551.5 vs 553.3 ms), +288 MiB."""
+    rows) only with multi-stage pipelining, unless TORCHINDUCTOR_MIX_ORDER_REDUCTION is set; with
+    TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES=0 they are off (torch 2.11, H200, record step):
+    single-stage they were latency-bound (3.7 ms for 0.3 ms of bytes; 604 vs 583 ms off); multi-stage,
+    1.8 ms less than off (three alternating pairs, 551.5 vs 553.3 ms), +288 MiB."""
     import torch._inductor.config as inductor_config
     cfg = inductor_config.triton
     if "TORCHINDUCTOR_MIX_ORDER_REDUCTION" not in os.environ and hasattr(cfg, "mix_order_reduction"):
-        cfg.mix_order_reduction = hasattr(cfg, "mix_order_reduction_allow_multi_stages")
-        if cfg.mix_order_reduction:
+        multi = hasattr(cfg, "mix_order_reduction_allow_multi_stages")
+        if multi and "TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES" not in os.environ:
             cfg.mix_order_reduction_allow_multi_stages = True
+        cfg.mix_order_reduction = multi and cfg.mix_order_reduction_allow_multi_stages
     if not torch.cuda.is_available():
         return
     b = torch.backends.cuda

@@ -154,10 +154,10 @@ def test_xsa_kernel_refuses_what_it_cannot_index():
         tg.exclusive_self_attention(y, torch.randn(1, 4, 8, 2, device=DEV).transpose(2, 3))
 
 
-# (N, V, cap, dtype): record vocab in bf16, no cap, a vocab that is not a power of two (masked lanes), and a
-# vocab above one 1024-lane block
+# (N, V, cap, dtype): record vocab in bf16, no cap, vocabs that are not powers of two (masked lanes; one
+# above a 1024-lane block, one in bf16), and a single class
 CE_CASES = [(37, 1024, 30.0, torch.bfloat16), (5, 100, 0.0, torch.float32), (9, 64, 15.0, torch.float32),
-            (3, 3000, 30.0, torch.float32)]
+            (3, 3000, 30.0, torch.float32), (4, 1000, 30.0, torch.bfloat16), (3, 1, 30.0, torch.float32)]
 
 
 def ce_reference64(x, t, cap):
@@ -187,8 +187,25 @@ def test_softcap_ce_kernel_forward_and_backward_equal_float64_reference(N, V, ca
             torch.testing.assert_close(x.grad.cpu().double(), x64.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_softcap_ce_kernel_reads_strided_targets():
+    """Targets as a column of the (B, T+1) token window (every other one here): a strided view."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(6, 40, generator=g) * 5).to(DEV).requires_grad_()
+    window = torch.randint(0, 40, (12,), generator=g).to(DEV)
+    t = window[::2]
+    loss = tg.softcap_cross_entropy(x, t, 30.0)
+    loss.sum().backward()
+    x64 = x.detach().cpu().double().requires_grad_()
+    want = ce_reference64(x64, t.cpu(), 30.0)
+    want.sum().backward()
+    torch.testing.assert_close(loss.detach().cpu().double(), want.detach(), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(x.grad.cpu().double(), x64.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_softcap_ce_kernel_refuses_what_it_cannot_run():
     x = torch.randn(4, 16, device=DEV)
+    with pytest.raises(ValueError, match="must be \\(N, V\\)"):
+        tg.softcap_cross_entropy(x.view(2, 2, 16), torch.zeros(4, dtype=torch.int64, device=DEV), 30.0)
     with pytest.raises(ValueError, match="targets must be int64"):
         tg.softcap_cross_entropy(x, torch.zeros(4, dtype=torch.int32, device=DEV), 30.0)
     with pytest.raises(ValueError, match="targets must be int64"):

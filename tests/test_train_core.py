@@ -559,17 +559,24 @@ def test_configure_cuda_sets_mix_order_reductions_multi_stage_unless_the_env_set
     if not hasattr(ic.triton, "mix_order_reduction"):
         pytest.skip("this torch has no mix-order reductions")
     multi = hasattr(ic.triton, "mix_order_reduction_allow_multi_stages")
-    monkeypatch.setattr(ic.triton, "mix_order_reduction", False)
+    monkeypatch.delenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES", raising=False)
+    for preset in (True, False):  # the user's explicit choice stands, whichever it is
+        monkeypatch.setattr(ic.triton, "mix_order_reduction", preset)
+        monkeypatch.setenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION", str(int(preset)))
+        tg.configure_cuda("math")
+        assert ic.triton.mix_order_reduction is preset
+    monkeypatch.delenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION")
     if multi:
         monkeypatch.setattr(ic.triton, "mix_order_reduction_allow_multi_stages", False)
-    monkeypatch.setenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION", "0")
-    tg.configure_cuda("math")
-    assert ic.triton.mix_order_reduction is False  # the user's explicit choice stands
-    monkeypatch.delenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION")
     tg.configure_cuda("math")
     assert ic.triton.mix_order_reduction is multi  # single-stage only (older torch): off
     if multi:
         assert ic.triton.mix_order_reduction_allow_multi_stages is True
+        monkeypatch.setattr(ic.triton, "mix_order_reduction_allow_multi_stages", False)
+        monkeypatch.setenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES", "0")  # the user's: single-stage
+        tg.configure_cuda("math")
+        assert ic.triton.mix_order_reduction is False and ic.triton.mix_order_reduction_allow_multi_stages is False
+        monkeypatch.delenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES")
         monkeypatch.delattr(ic.triton, "mix_order_reduction_allow_multi_stages")
         tg.configure_cuda("math")
         assert ic.triton.mix_order_reduction is False
