@@ -168,10 +168,11 @@ def ce_reference64(x, t, cap):
 @pytest.mark.parametrize("N,V,cap,dtype", CE_CASES)
 def test_softcap_ce_kernel_forward_and_backward_equal_float64_reference(N, V, cap, dtype):
     """Per-row losses, and the logits' gradient for per-row loss weights, a mean (the training loss) and a
-    plain sum (its gradient reaches the kernel as one value expanded, stride 0)."""
+    plain sum (its gradient reaches the kernel as one value expanded, stride 0). Targets are every other
+    entry of a token window: a strided view."""
     g = torch.Generator().manual_seed(N * 1000 + V)
     x = (torch.randn(N, V, generator=g) * 20).to(DEV, dtype).requires_grad_()  # beyond the cap: tanh saturates
-    t = torch.randint(0, V, (N,), generator=g).to(DEV)
+    t = torch.randint(0, V, (2 * N,), generator=g).to(DEV)[::2]
     w = torch.randn(N, generator=g).to(DEV)
     x64 = x.detach().cpu().double().requires_grad_()
     for total in (lambda rows: (rows * w.to(rows)).sum(), torch.mean, torch.sum):
@@ -185,21 +186,6 @@ def test_softcap_ce_kernel_forward_and_backward_equal_float64_reference(N, V, ca
             assert within_one_ulp(x.grad.cpu(), x64.grad)
         else:
             torch.testing.assert_close(x.grad.cpu().double(), x64.grad, rtol=1e-4, atol=1e-6)
-
-
-def test_softcap_ce_kernel_reads_strided_targets():
-    """Targets as a column of the (B, T+1) token window (every other one here): a strided view."""
-    g = torch.Generator().manual_seed(7)
-    x = (torch.randn(6, 40, generator=g) * 5).to(DEV).requires_grad_()
-    window = torch.randint(0, 40, (12,), generator=g).to(DEV)
-    t = window[::2]
-    loss = tg.softcap_cross_entropy(x, t, 30.0)
-    loss.sum().backward()
-    x64 = x.detach().cpu().double().requires_grad_()
-    want = ce_reference64(x64, t.cpu(), 30.0)
-    want.sum().backward()
-    torch.testing.assert_close(loss.detach().cpu().double(), want.detach(), rtol=1e-5, atol=2e-5)
-    torch.testing.assert_close(x.grad.cpu().double(), x64.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_softcap_ce_kernel_refuses_what_it_cannot_run():
