@@ -140,6 +140,8 @@ class RunLog:
     code_bytes: int | None = None
     compressor: str | None = None
     stopped_early: bool = False
+    peak_mib: tuple[int, int] | None = None  # (allocated, reserved), CUDA runs only
+    curve: list[tuple[int, float, float]] = field(default_factory=list)  # (step, train_loss, train_time ms)
 
     @property
     def score_event(self) -> str | None:
@@ -209,7 +211,11 @@ def parse_log(path: Path) -> RunLog:
             run.code_bytes = int(m[1])
         elif event == "stopping_early:":
             run.stopped_early = True
-        elif event in ("train_done", "final_int6_roundtrip", "final_int6_roundtrip_exact",
+        elif m := re.fullmatch(r"peak memory allocated: (\d+) MiB reserved: (\d+) MiB", line):
+            run.peak_mib = (int(m[1]), int(m[2]))
+        elif m := re.fullmatch(r"step:(\d+)/\d+ train_loss:(\S+) train_time:(\S+)ms .*", line):
+            run.curve.append((int(m[1]), float(m[2]), float(m[3])))
+        elif event in ("train_done", "post_ema_exact", "final_int6_roundtrip", "final_int6_roundtrip_exact",
                        "final_int6_sliding_window", "legal_ttt", *SCORE_EVENTS):
             run.events[event] = _key_values(line)
     # train_gpt.py may write the source with or without a newline of its own after it; code_bytes decides.

@@ -173,6 +173,17 @@ def test_compressors_auto_picks_smaller_and_format_is_readable():
         assert all(np.array_equal(unpacked[k].numpy(), ref[k]) for k in ref)
 
 
+def test_fast_coder_is_zstd_level_3_and_reads_back():
+    """COMPRESSOR=fast (sweeps): an ordinary zstd artifact, byte-identical to zstandard's own level-3 output."""
+    cfg = tiny_cfg(**QCFG)
+    payload = tg.pack_tensors(tg.quantize_state(random_model(cfg, seed=2).state_dict(), cfg))
+    blob, coder = tg.compress(payload, "fast")
+    assert coder == "zstd" and blob[:5] == b"PGA1\x00"
+    assert blob[5:] == zstandard.ZstdCompressor(level=3, write_checksum=True).compress(payload)
+    assert tg.decompress(blob) == payload
+    assert blob != tg.compress(payload, "zstd")[0]  # level 22 is another stream
+
+
 def brute_force_int6(w: np.ndarray, floor: float) -> list[tuple[float, np.ndarray, np.ndarray]]:
     """Per-row loop over the clip candidates in float64; returns (mse, codes, scales) per candidate."""
     w = w.astype(np.float64)

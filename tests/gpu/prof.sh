@@ -2,7 +2,7 @@
 # inductor output code of the working tree's train_gpt.py (extra env: PROFILE_ENV); then 10-step benches
 # of RUNS, one per line: "FILE [VAR=VALUE ...]" with FILE copied over train_gpt.py (- = the working
 # tree's); BENCH_ARGS: extra bench flags (e.g. --sync). No late QAT (REFERENCE.md's timing rule), 3 warmup steps.
-SHARDS=2 source tests/gpu/setup.sh
+SHARDS=2 source tools/device_setup.sh
 export MAX_WALLCLOCK_SECONDS=0 WARMUP_STEPS=3 LATE_QAT_THRESHOLD=0 VAL_LOSS_EVERY=0 PROFILE_ROWS=${PROFILE_ROWS:-5}
 cp train_gpt.py /tmp/train_gpt.orig.py
 if [ "${PROFILE:-1}" = 1 ]; then

@@ -1,0 +1,196 @@
+"""tools/sweep.py on the CPU: a tiny 2-variant x 2-seed sweep (plus a crashing variant) whose table must equal
+what the runs' own logs say, refusals before any run starts, GPU placement in dry runs, and the Welch p against
+a published example."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import lzma
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from conftest import ROOT, tiny_env
+
+SWEEP = ROOT / "tools" / "sweep.py"
+sys.path.insert(0, str(ROOT / "tools"))
+import sweep as sw  # noqa: E402
+
+TINY_KEYS = ("NUM_LAYERS", "MODEL_DIM", "NUM_HEADS", "NUM_KV_HEADS", "ROPE_DIMS", "BIGRAM_VOCAB_SIZE", "BIGRAM_DIM",
+             "VE_DIM", "VE_LAYERS", "XSA_LAST_N", "TRAIN_SEQ_LEN", "TRAIN_BATCH_TOKENS", "WARMUP_STEPS",
+             "WARMDOWN_ITERS", "MAX_WALLCLOCK_SECONDS", "TRAIN_LOG_EVERY", "VAL_LOSS_EVERY", "EVAL_SEQ_LEN",
+             "EVAL_STRIDE", "VAL_BATCH_SIZE", "MUON_MOMENTUM_WARMUP_STEPS", "DEVICE", "DATA_PATH",
+             "TOKENIZER_PATH", "VOCAB_SIZE")
+
+
+def tiny_base(dataset, tokenizer_path, **overrides) -> str:
+    env = tiny_env(dataset, tokenizer_path, ITERATIONS="10", **overrides)
+    return " ".join(f"{k}={env[k]}" for k in (*TINY_KEYS, "ITERATIONS", *overrides))
+
+
+def run_sweep(args: list[str], cwd: Path, gpus: str = "", timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env.update(CUDA_VISIBLE_DEVICES=gpus, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, str(SWEEP), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory, dataset, tokenizer_path):
+    """2 variants x 2 seeds on the CPU, and a third variant whose runs crash at start-up."""
+    cwd = tmp_path_factory.mktemp("sweep")
+    r = run_sweep(["--name", "t", "--seeds", "1337,42", "--base", tiny_base(dataset, tokenizer_path, COMPRESSOR="fast"),
+                   "--variant", "base=", "--variant", "lr=MATRIX_LR=0.05",
+                   "--variant", "crash=TOKENIZER_PATH=/nonexistent/tok.model"], cwd)
+    return cwd, r
+
+
+def _exact(log: Path, event: str) -> float | None:
+    """The val_bpb of a `<event> val_loss:X val_bpb:Y` line, read independently of the runner's parser."""
+    hits = re.findall(rf"^{event} val_loss:\S+ val_bpb:(\S+)$", log.read_text(), flags=re.M)
+    return float(hits[-1]) if hits else None
+
+
+def test_table_equals_what_the_logs_say(tiny_sweep):
+    cwd, r = tiny_sweep
+    assert r.returncode == 1, r.stdout + r.stderr  # the crash variant failed, so the sweep says so
+    result = json.loads((cwd / "logs" / "t.json").read_text())
+    rows = {row["variant"]: row for row in result["table"]}
+    table = [line for line in r.stdout.splitlines() if line.startswith("|")]
+    assert table[0].startswith("| variant | runs | score | diff | p | post_ema | roundtrip | sliding |")
+    for name in ("base", "lr"):
+        logs = [cwd / "logs" / f"t_{name}_s{seed}.txt" for seed in (1337, 42)]
+        sliding = [_exact(p, "final_int6_sliding_window_exact") for p in logs]
+        post_ema = [_exact(p, "post_ema_exact") for p in logs]
+        steps = [int(re.search(r"^train_done steps:(\d+)", p.read_text(), flags=re.M)[1]) for p in logs]
+        total = [int(re.search(r"^Total submission size int6\+zstd: (\d+) bytes", p.read_text(), flags=re.M)[1])
+                 for p in logs]
+        code = [int(re.search(r"^code_bytes:(\d+)$", p.read_text(), flags=re.M)[1]) for p in logs]
+        # the xz size the runner reports: the zstd artifact's payload coded as COMPRESSOR=lzma would have
+        xz = [c + 5 + len(lzma.compress(zstandard.ZstdDecompressor().decompress(
+              (cwd / "logs" / f"t_{name}_s{seed}.int6.ptz").read_bytes()[5:]), format=lzma.FORMAT_XZ,
+              preset=6 | lzma.PRESET_EXTREME)) for c, seed in zip(code, (1337, 42))]
+        row = rows[name]
+        assert row["ok"] == row["runs"] == 2
+        assert row["score"]["mean"] == pytest.approx(statistics.mean(sliding), abs=1e-12)  # no TTT: sliding scores
+        assert row["score"]["std"] == pytest.approx(statistics.stdev(sliding), abs=1e-12)
+        assert row["post_ema"]["mean"] == pytest.approx(statistics.mean(post_ema), abs=1e-12)
+        assert row["steps"]["mean"] == statistics.mean(steps) == 10
+        assert row["bytes"]["mean"] == pytest.approx(statistics.mean(total))
+        assert row["bytes_lzma"]["values"] == xz and xz != total
+        line = next(t for t in table if t.startswith(f"| {name} |"))
+        assert f"{statistics.mean(sliding):.5f} ± {statistics.stdev(sliding):.5f}" in line
+        assert "legal_ttt" not in row
+    base, lr = rows["base"], rows["lr"]
+    assert lr["diff"] == pytest.approx(lr["score"]["mean"] - base["score"]["mean"], abs=1e-12)
+    assert lr["p"] == pytest.approx(sw.pr.welch_margin_test(lr["score"]["values"], base["score"]["values"], 0.0).p_value)
+    assert base["p"] is None and base["diff"] == 0.0
+    assert lr["score"]["mean"] != base["score"]["mean"]  # the variant's setting reached its runs
+    for run in result["runs"]:
+        if run["variant"] != "crash":  # every phase's marker came, and the phases add up to the wall time
+            assert set(run["phases_s"]) == {"startup", "warmup", "train", "score_export", "final_scoring"}
+            assert sum(run["phases_s"].values()) == pytest.approx(run["wall_s"], rel=1e-6)
+            assert (cwd / "logs" / f"{run['run_id']}.int6.ptz").is_file()  # its own artifact path
+
+
+def test_a_crashing_run_is_reported_and_the_others_finish(tiny_sweep):
+    cwd, r = tiny_sweep
+    failed = [line for line in r.stdout.splitlines() if line.startswith("run crash ")]
+    assert len(failed) == 2 and all("FAILED" in line for line in failed)
+    assert "TOKENIZER_PATH /nonexistent/tok.model does not exist" in r.stdout  # its last log lines are shown
+    assert re.search(r"^\| crash \| 0/2 \| - \|", r.stdout, flags=re.M)
+    assert len(re.findall(r"^run (base|lr) seed:\d+ cpu score:", r.stdout, flags=re.M)) == 4
+
+
+@pytest.mark.parametrize("bad, named", [("MUON_MOMENTM=0.9", "closest valid setting: MUON_MOMENTUM"),
+                                        ("MATRIX_LR=fast", "malformed value for MATRIX_LR"),
+                                        ("LR=0.1", "unknown setting LR"),
+                                        ("SWA_ENABLED=1", "SWA_ENABLED is ignored"),
+                                        ("SEED=3", "SEED is set by the runner")])
+def test_a_bad_setting_in_any_variant_stops_the_sweep_before_any_run(tmp_path, dataset, tokenizer_path, bad, named):
+    r = run_sweep(["--base", tiny_base(dataset, tokenizer_path), "--variant", "a=", "--variant", f"b={bad}"],
+                  tmp_path, timeout=120)
+    assert r.returncode == 2 and named in r.stderr, r.stderr
+    assert not (tmp_path / "logs").exists()  # nothing ran
+
+
+def test_a_preset_refuses_data_without_its_train_shards(tmp_path, dataset, tokenizer_path):
+    r = run_sweep(["--preset", "pqb", "--base", f"DATA_PATH={dataset}"], tmp_path, timeout=120)
+    assert r.returncode == 2 and "needs 8 train shards" in r.stderr and "found 2" in r.stderr, r.stderr
+
+
+def _placements(stdout: str) -> dict[tuple[str, int], str]:
+    return {(m[1], int(m[2])): m[3] for m in re.finditer(r"^# (\S+) seed (\d+): (.*)$", stdout, flags=re.M)}
+
+
+def test_dry_run_places_runs_on_both_gpus_swapped_across_seeds(tmp_path):
+    r = run_sweep(["--dry-run", "--preset", "pqb-t", "--variant", "base=", "--variant",
+                   "parity=BIGRAM_VOCAB_SIZE=2048 ROPE_BASE=22082 LATE_QAT_THRESHOLD=0 EMA_DECAY=0.997"],
+                  tmp_path, gpus="0,1", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert _placements(r.stdout) == {("base", 1337): "gpu 0", ("parity", 1337): "gpu 1",
+                                     ("base", 42): "gpu 1", ("parity", 42): "gpu 0"}
+    commands = [line for line in r.stdout.splitlines() if "train_gpt.py" in line]
+    assert len(commands) == 4 and all("MAX_WALLCLOCK_SECONDS=120" in c for c in commands)
+    assert sum("CUDA_VISIBLE_DEVICES=0 " in c and "RUN_ID=" in c and "ARTIFACT_PATH=logs/" in c for c in commands) == 2
+    assert not (tmp_path / "logs").exists()
+
+
+def test_dry_run_with_several_gpus_per_run_uses_torchrun(tmp_path):
+    r = run_sweep(["--dry-run", "--gpus-per-run", "2", "--variant", "a=", "--variant", "b=MATRIX_LR=0.03",
+                   "--seeds", "1,2"], tmp_path, gpus="4,5,6,7", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert _placements(r.stdout) == {("a", 1): "gpu 4,5", ("b", 1): "gpu 6,7", ("a", 2): "gpu 6,7",
+                                     ("b", 2): "gpu 4,5"}
+    assert r.stdout.count("torch.distributed.run --standalone --nproc_per_node=2") == 4
+    r = run_sweep(["--dry-run", "--gpus-per-run", "3"], tmp_path, gpus="0,1", timeout=120)
+    assert r.returncode == 2 and "only 2 GPU(s) visible" in r.stderr
+
+
+def test_dry_run_without_gpus_runs_on_the_cpu(tmp_path):
+    r = run_sweep(["--dry-run", "--variant", "a=", "--variant", "b=MATRIX_LR=0.03"], tmp_path, timeout=120)
+    assert r.returncode == 0 and "on cpu (no visible GPU)" in r.stdout
+    assert set(_placements(r.stdout).values()) == {"cpu"} and "CUDA_VISIBLE_DEVICES" not in r.stdout
+
+
+def test_welch_p_against_a_published_example():
+    # Wikipedia, "Welch's t-test", Examples, example 1: t = 2.46 (in magnitude), df = 25.0, two-sided p = 0.021.
+    a1 = [27.5, 21.0, 19.0, 23.6, 17.0, 17.9, 16.9, 20.1, 21.9, 22.6, 23.1, 19.6, 19.0, 21.7, 21.4]
+    a2 = [27.1, 22.0, 20.8, 23.4, 23.4, 23.5, 25.8, 22.0, 24.8, 20.2, 21.9, 22.1, 22.9, 20.5, 24.4]
+    w = sw.pr.welch_margin_test(a1, a2, margin=0.0)
+    assert round(w.t, 2) == 2.46 and round(w.df, 1) == 25.0 and round(2 * w.p_value, 3) == 0.021
+    # In a sweep the lower scores (a1) are the variant, judged against the first variant (a2): p is one-sided.
+    runs = [sw.Run(name, i, 0, [], f"{name}{i}", {}, [], rc=0, wall_s=1.0, metrics={"score": x})
+            for name, xs in (("first", a2), ("lower", a1)) for i, x in enumerate(xs)]
+    rows = sw.summarize(runs, ["first", "lower"])
+    assert rows[1]["p"] == pytest.approx(w.p_value, rel=1e-12) and 0.0105 < rows[1]["p"] < 0.0110
+    assert rows[1]["diff"] == pytest.approx(statistics.mean(a1) - statistics.mean(a2))
+    rows = sw.summarize(runs, ["lower", "first"])  # the higher scores are not lower: p near 1
+    assert rows[1]["p"] == pytest.approx(1 - w.p_value, rel=1e-9)
+
+
+def test_plot_writes_pngs_or_says_matplotlib_is_missing(tmp_path):
+    runs = [sw.Run(v, s, 0, [], f"{v}{s}", {}, [], rc=0, wall_s=1.0, metrics={"score": 1.5 + 0.01 * s + 0.1 * (v == "b")},
+                   curve=[(i, 3.0 / i + s * 1e-3, 100.0 * i) for i in range(1, 6)]) for v in "ab" for s in (1, 2)]
+    rows = sw.summarize(runs, ["a", "b"])
+    if importlib.util.find_spec("matplotlib") is None:
+        r = run_sweep(["--dry-run", "--plot"], tmp_path, timeout=120)
+        assert r.returncode == 2 and "--plot needs matplotlib" in r.stderr
+        return
+    for png in sw.plot(runs, rows, tmp_path, "p"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", sorted(sw.PRESETS))
+def test_presets_pass_the_scripts_parsing_and_are_in_the_readme(name):
+    tg = sw.load_script(ROOT / "train_gpt.py")
+    settings = sw.parse_assignments(sw.PRESETS[name].settings, name)
+    sw.check_settings(tg, name, settings, 1)
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"`{name}`: `{sw.PRESETS[name].settings}`" in readme

@@ -1,0 +1,31 @@
+# The GPU machine's setup, in two halves.
+#
+# Here, once per checkout (needs ../shared beside it and pip):
+#     bash tools/device_setup.sh stage [SHARED_DIR]
+#   copies the proxy data (8 train shards, val, sp1024 tokenizer) and its unpacker into .gpu/ and the zstandard
+#   wheel the device lacks into .whl/ (both git-ignored; 61 MB of the 64 MiB a device call may carry).
+# On the device, at the start of every call (carry: [".gpu", ".whl"]):
+#     source tools/device_setup.sh
+#   installs the wheels into /tmp/site, unpacks SHARDS (default 8) train shards to /tmp/pg (again when a warm
+#   machine holds fewer), exports DATA_PATH, TOKENIZER_PATH and PYTHONPATH, and prints the GPUs and torch.
+# Then e.g. `python3 tools/sweep.py --preset pqb-t --variant base= --variant x="K=V" 2>&1 | tee $OUT/sweep.log`.
+if [ "${1:-}" = stage ]; then
+  set -e
+  src=${2:-../shared/data}
+  mkdir -p .gpu/data/proxy_sp1024 .gpu/data/tokenizers .whl
+  cp "$src"/proxy_sp1024/*.xz .gpu/data/proxy_sp1024/
+  cp "$src"/tokenizers/fineweb_1024_bpe.model .gpu/data/tokenizers/
+  cp "$src"/../tools/unpack_data.py .gpu/
+  ls .whl/zstandard-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: \
+    --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 -d .whl zstandard==0.25.0
+  du -sh .gpu .whl
+  exit 0
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+[ "$(ls /tmp/pg/datasets/proxy_sp1024/fineweb_train_*.bin 2>/dev/null | wc -l)" -ge "${SHARDS:-8}" ] \
+  || python3 .gpu/unpack_data.py .gpu/data /tmp/pg "${SHARDS:-8}"
+export DATA_PATH=/tmp/pg/datasets/proxy_sp1024 TOKENIZER_PATH=/tmp/pg/tokenizers/fineweb_1024_bpe.model PYTHONUNBUFFERED=1
+unset SHARDS  # train_gpt.py refuses unknown settings that look like its own
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__)"

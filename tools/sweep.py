@@ -1,0 +1,546 @@
+#!/usr/bin/env python3
+"""Sweep runner: variants x seeds of train_gpt.py on every visible GPU, then one table that judges them.
+
+    python3 tools/sweep.py --preset pqb-t --seeds 1337,42 \\
+        --variant base="" --variant lr30="MATRIX_LR=0.03" [--base "K=V ..."] [--gpus-per-run N] [--plot]
+    python3 tools/sweep.py ... --dry-run          # the command of each run and its GPU; no data, no GPU needed
+
+Settings are layered preset < --base < --variant, each a string of `K=V` words (shell quoting allowed); every
+one goes through train_gpt.py's own strict parsing before the first run starts, so a typo stops the sweep at
+once, naming the setting. The runner sets RUN_ID (<sweep>_<variant>_s<seed>), SEED and ARTIFACT_PATH itself.
+Runs start in the calling directory: logs/<RUN_ID>.txt (the script's log), logs/<RUN_ID>.out (everything the
+run printed), logs/<RUN_ID>.int6.ptz (its artifact), and at the end logs/<sweep>.json (the table, every run's
+numbers and where its wall time went). With no visible GPU the runs go one at a time on the CPU.
+
+Placement: run (variant v, seed s) goes to GPU slot (v + s) mod slots, so across seeds every variant moves to
+another GPU (under a wallclock cap a slower GPU means fewer steps). Compare only runs of one sweep: the presets
+were calibrated on H200s (one run per GPU), and H200s of one host differ by a few percent in step time.
+
+Score: `legal_ttt_exact` val_bpb when TTT ran, else `final_int6_sliding_window_exact` (the last score a run
+logs, the rule of records/package_record.py). p: one-sided Welch t-test that a variant's mean score is lower
+than the first variant's (records/package_record.py's test with margin 0). `±` is the std over seeds, the
+"seed spread"; a difference needs to exceed about twice it to mean anything.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import importlib.util
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "records"))
+import package_record as pr  # noqa: E402  (log parsing, score rule and Welch test shared with records)
+
+
+@dataclass(frozen=True)
+class Preset:
+    settings: str
+    about: str
+    train_shards: int | None = None  # train shards DATA_PATH must hold (None: any)
+
+
+# The proxy quality benchmark of ../shared/docs/REFERENCE.md with accumulation 1 (same math, faster), all 8
+# proxy train shards. COMPRESSOR=fast: xz took 36 s of each run, zstd-3 0.2 s (the coder is lossless; the
+# runner reports the xz size as bytes_lzma, coded on the CPU while the GPU goes on). TRAIN_LOG_EVERY=100 only
+# adds points to the loss curves.
+PQB = ("TRAIN_BATCH_TOKENS=131072 WARMDOWN_ITERS=750 MUON_MOMENTUM_WARMUP_STEPS=400 VAL_LOSS_EVERY=0 "
+       "EVAL_STRIDE=64 GRAD_ACCUM_STEPS=1 COMPRESSOR=fast TRAIN_LOG_EVERY=100")
+PRESETS = {
+    "pqb": Preset(f"{PQB} ITERATIONS=1500 MAX_WALLCLOCK_SECONDS=0", train_shards=8,
+                  about="step-capped proxy quality benchmark: 1,500 steps whatever they cost"),
+    "pqb-t": Preset(f"{PQB} ITERATIONS=20000 MAX_WALLCLOCK_SECONDS=120", train_shards=8,
+                    about="time-capped proxy benchmark: 120 s of training, wallclock warmdown; a slower step "
+                          "gets fewer steps, as in the real run"),
+    "timing": Preset("ITERATIONS=40 VAL_LOSS_EVERY=0 MAX_WALLCLOCK_SECONDS=0 LATE_QAT_THRESHOLD=0 "
+                     "TRAIN_LOG_EVERY=10 EVAL_STRIDE=2048 COMPRESSOR=fast",
+                     about="record config, 40 steps, no late QAT (REFERENCE.md's timing rule): read step_avg "
+                           "and peak memory"),
+}
+CALIBRATED_ON = "one H200 per run (nvidia-h200-x2, torch 2.11)"
+RUNNER_SETTINGS = ("RUN_ID", "SEED", "ARTIFACT_PATH")  # set per run by the runner, never by a variant
+# (column, parse_log event, key) of the final metrics; score, steps, step_avg, bytes and memory come after
+BPB_METRICS = (("post_ema", "post_ema_exact"), ("roundtrip", "final_int6_roundtrip_exact"),
+               ("sliding", "final_int6_sliding_window_exact"), ("legal_ttt", "legal_ttt_exact"))
+# wall-time phases of a run, each ending at the first (or last) line that starts with the marker
+PHASES = (("startup", "model_params:", "first"), ("warmup", "warmup_step:", "last"), ("train", "train_done", "first"),
+          ("score_export", "Serialized model", "first"))
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+KEY_RE = re.compile(r"[A-Z][A-Z0-9_]*")
+
+
+class SweepError(Exception):
+    """Bad input, found before any run starts; the message names what and where."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plan: settings, checks, placement
+# ---------------------------------------------------------------------------------------------------
+
+def parse_assignments(text: str, where: str) -> dict[str, str]:
+    out = {}
+    try:
+        words = shlex.split(text)
+    except ValueError as e:
+        raise SweepError(f"{where}: {e}") from None
+    for word in words:
+        key, eq, value = word.partition("=")
+        if not eq or not KEY_RE.fullmatch(key):
+            raise SweepError(f"{where}: {word!r} is not a K=V setting (K in capitals, e.g. MATRIX_LR=0.03)")
+        if key in RUNNER_SETTINGS:
+            raise SweepError(f"{where}: {key} is set by the runner for each run (use --seeds for SEED)")
+        out[key] = value
+    return out
+
+
+def parse_variant(arg: str) -> tuple[str, dict[str, str]]:
+    name, eq, text = arg.partition("=")
+    if not eq or not NAME_RE.fullmatch(name):
+        raise SweepError(f"--variant {arg!r}: expected NAME=\"K=V ...\" with NAME of letters, digits, '.', '_', '-'")
+    return name, parse_assignments(text, f"variant {name}")
+
+
+def load_script(path: Path):
+    """Import train_gpt.py (or a copy) by path; importing it has no side effects."""
+    spec = importlib.util.spec_from_file_location(f"sweep_script_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_settings(tg, name: str, settings: dict[str, str], world_size: int) -> None:
+    """Refuse what the script would refuse, and what it would silently ignore: a key that is neither one of
+    its settings nor an environment variable of a library it uses (TORCH*, CUDA*, NCCL*, ...)."""
+    fields = {f.name.upper() for f in dataclasses.fields(tg.Hyperparameters)}
+    for key in settings:
+        if key in fields or key.startswith(tg.FOREIGN_PREFIXES):
+            continue
+        if key in tg.DROPPED_SETTINGS or key.startswith(tg.DROPPED_PREFIXES):
+            raise SweepError(f"variant {name}: {key} is ignored by train_gpt.py (a dropped reference setting)")
+        close = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.0)
+        raise SweepError(f"variant {name}: unknown setting {key}; closest valid setting: {close[0]}")
+    try:
+        cfg, _ = tg.Hyperparameters.from_env(settings | {"RUN_ID": "check"})
+        tg.resolve_grad_accum(cfg, world_size)
+    except ValueError as e:
+        raise SweepError(f"variant {name}: {e}") from None
+    try:
+        tg.Hyperparameters.from_env(dict(os.environ, **settings, RUN_ID="check"))
+    except ValueError as e:
+        raise SweepError(f"variant {name}, with the calling environment: {e}") from None
+
+
+def visible_gpus() -> list[str]:
+    """Device ids as CUDA_VISIBLE_DEVICES names them (CUDA stops at the first negative id), else all."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        ids = []
+        for s in (s.strip() for s in cvd.split(",")):
+            if not s or s.startswith("-"):
+                break
+            ids.append(s)
+        return ids
+    import torch
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+@dataclass
+class Run:
+    variant: str
+    seed: int
+    slot: int
+    gpus: list[str]  # empty: CPU
+    run_id: str
+    settings: dict[str, str]  # what the runner adds to the calling environment
+    cmd: list[str]
+    # filled in when it has run
+    rc: int | None = None
+    wall_s: float | None = None
+    phases_s: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    curve: list[tuple[int, float, float]] = field(default_factory=list)  # (step, train_loss, train ms)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.rc is not None
+
+
+def plan_runs(sweep: str, variants: dict[str, dict[str, str]], seeds: list[int], script: Path,
+              gpus_per_run: int, gpus: list[str]) -> tuple[list[Run], list[list[str]]]:
+    slots = [gpus[i: i + gpus_per_run] for i in range(0, len(gpus) - gpus_per_run + 1, gpus_per_run)] or [[]]
+    if gpus and len(gpus) < gpus_per_run:
+        raise SweepError(f"--gpus-per-run {gpus_per_run} but only {len(gpus)} GPU(s) visible: {','.join(gpus)}")
+    launcher = [sys.executable] if gpus_per_run == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus_per_run}"]
+    runs = []
+    for s, seed in enumerate(seeds):
+        for v, (name, settings) in enumerate(variants.items()):
+            slot = (v + s) % len(slots)
+            run_id = f"{sweep}_{name}_s{seed}"
+            env = dict(settings, RUN_ID=run_id, SEED=str(seed), ARTIFACT_PATH=f"logs/{run_id}.int6.ptz")
+            if slots[slot]:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(slots[slot])
+            runs.append(Run(name, seed, slot, slots[slot], run_id, env, launcher + [str(script)]))
+    return runs, slots
+
+
+def shell_line(run: Run) -> str:
+    return " ".join(f"{k}={shlex.quote(v)}" for k, v in run.settings.items()) + " " + shlex.join(run.cmd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Execution: one thread per slot, runs in turn; each run's output timestamped line by line
+# ---------------------------------------------------------------------------------------------------
+
+class Executor:
+    def __init__(self, tg, cwd: Path, run_timeout: float | None, workers: int):
+        self.tg, self.cwd, self.run_timeout = tg, cwd, run_timeout
+        self.lock = threading.Lock()
+        self.procs: set[subprocess.Popen] = set()
+        self.stopping = False
+        self.coder = ThreadPoolExecutor(workers)  # xz releases the GIL: one core per pending artifact
+        self.recoded: dict[str, Future] = {}  # run_id -> xz size of its artifact
+
+    def say(self, msg: str) -> None:
+        with self.lock:
+            print(msg, flush=True)
+
+    def run_slot(self, runs: list[Run]) -> None:
+        for run in runs:
+            if self.stopping:
+                return
+            self.execute(run)
+            self.say(finish_line(run))
+
+    def execute(self, run: Run) -> None:
+        env = dict(os.environ, **run.settings, PYTHONUNBUFFERED="1")
+        out_path = self.cwd / "logs" / f"{run.run_id}.out"
+        marks: dict[str, float] = {}
+        t0 = time.monotonic()
+        with open(out_path, "w", encoding="utf-8") as out:
+            proc = subprocess.Popen(run.cmd, cwd=self.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, errors="replace", start_new_session=True)
+            with self.lock:
+                self.procs.add(proc)
+            timer = threading.Timer(self.run_timeout, _kill, (proc,)) if self.run_timeout else None
+            if timer:
+                timer.start()
+            for line in proc.stdout:
+                out.write(line)
+                t = time.monotonic() - t0
+                if line.startswith("Serialized model int6+") and not line.startswith("Serialized model int6+lzma"):
+                    # written and closed before this line: recode it while the run scores it
+                    self.recoded[run.run_id] = self.coder.submit(self.xz_size, self.cwd / run.settings["ARTIFACT_PATH"])
+                for _, marker, which in PHASES:
+                    if line.startswith(marker) and (which == "last" or marker not in marks):
+                        marks[marker] = t
+            run.rc = proc.wait()
+            if timer:
+                timer.cancel()
+        with self.lock:
+            self.procs.discard(proc)
+        run.wall_s = time.monotonic() - t0
+        run.phases_s = phase_times(marks, run.wall_s)
+        collect(run, self.cwd, out_path, timed_out=bool(timer) and run.wall_s >= self.run_timeout)
+
+    def xz_size(self, artifact: Path) -> int:
+        """The artifact's size had the run used xz (COMPRESSOR=lzma), the coder of the records."""
+        return len(self.tg.compress(self.tg.decompress(artifact.read_bytes()), "lzma")[0])
+
+    def add_xz_sizes(self, runs: list[Run]) -> None:
+        for run in runs:
+            if run.ok and run.run_id in self.recoded and "code_bytes" in run.metrics:
+                run.metrics["bytes_lzma"] = float(self.recoded[run.run_id].result() + run.metrics["code_bytes"])
+
+    def stop(self) -> None:
+        self.stopping = True
+        with self.lock:
+            for proc in self.procs:
+                _kill(proc)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too
+    except ProcessLookupError:
+        pass
+
+
+def phase_times(marks: dict[str, float], wall_s: float) -> dict[str, float]:
+    """Seconds per phase: start-up (imports, data, model), warmup (compile, graph capture, warmup steps),
+    train, score_export (pre/post-EMA scoring, quantisation, compression), final_scoring (the read-back
+    artifact's scores, TTT). A phase whose marker never came is left out and its time goes to the next."""
+    out, prev = {}, 0.0
+    for name, marker, _ in PHASES:
+        if marker in marks:
+            out[name], prev = marks[marker] - prev, marks[marker]
+    out["final_scoring"] = wall_s - prev
+    return out
+
+
+def collect(run: Run, cwd: Path, out_path: Path, timed_out: bool) -> None:
+    """Final metrics from the script's own log. A run counts when it logged its score; a non-zero exit
+    with a score is an artifact over the size limit (the table's bytes column shows it)."""
+    log_path = cwd / "logs" / f"{run.run_id}.txt"
+    log = pr.parse_log(log_path) if log_path.is_file() else None
+    if timed_out or log is None or log.score_event is None:
+        tail = out_path.read_text(encoding="utf-8", errors="replace").splitlines()[-15:]
+        why = "timed out" if timed_out else f"exit status {run.rc}, no final score line"
+        run.error = why + "\n" + "\n".join("    " + line for line in tail)
+        return
+    m = {"score": log.val_bpb}
+    for column, event in BPB_METRICS:
+        if event in log.events:
+            m[column] = float(log.events[event]["val_bpb"])
+    if "train_done" in log.events:  # not with EVAL_ONLY (e.g. TTT settings swept on one saved artifact)
+        m["steps"] = float(log.steps)
+        m["step_avg_ms"] = float(log.events["train_done"]["step_avg"].removesuffix("ms"))
+    if log.total_bytes is not None:
+        m["bytes"], m["code_bytes"] = float(log.total_bytes), float(log.code_bytes)
+    if log.peak_mib is not None:
+        m["peak_alloc_mib"], m["peak_reserved_mib"] = map(float, log.peak_mib)
+    run.metrics = m
+    run.curve = log.curve
+
+
+def finish_line(run: Run) -> str:
+    where = f"gpu:{','.join(run.gpus)}" if run.gpus else "cpu"
+    head = f"run {run.variant} seed:{run.seed} {where}"
+    if not run.ok:
+        return f"{head} FAILED ({run.error})"
+    m = run.metrics
+    phases = " ".join(f"{k}:{v:.0f}s" for k, v in run.phases_s.items())
+    steps = f" steps:{m['steps']:.0f} step_avg:{m['step_avg_ms']:.2f}ms" if "steps" in m else ""
+    return f"{head} score:{m['score']:.5f}{steps} wall:{run.wall_s:.0f}s ({phases})"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Table: mean and std over seeds per variant, difference and Welch p against the first variant
+# ---------------------------------------------------------------------------------------------------
+
+COLUMNS = (("score", 5), *((c, 5) for c, _ in BPB_METRICS), ("steps", 1), ("step_avg_ms", 2), ("bytes", 0),
+           ("bytes_lzma", 0), ("peak_alloc_mib", 0), ("wall_s", 0))
+
+
+def summarize(runs: list[Run], variants: list[str]) -> list[dict]:
+    rows = []
+    for name in variants:
+        mine = [r for r in runs if r.variant == name]
+        ok = [r for r in mine if r.ok]
+        row = {"variant": name, "runs": len(mine), "ok": len(ok), "seeds": [r.seed for r in ok]}
+        for col, _ in COLUMNS:
+            vals = [r.wall_s if col == "wall_s" else r.metrics[col] for r in ok if col == "wall_s" or col in r.metrics]
+            if vals:
+                row[col] = {"mean": pr.mean(vals), "std": pr.sample_std(vals) if len(vals) > 1 else None,
+                            "values": vals}
+        rows.append(row)
+    first = rows[0].get("score")
+    for row in rows:
+        score = row.get("score")
+        row["diff"] = score["mean"] - first["mean"] if score and first else None
+        row["p"] = None
+        if row is not rows[0] and score and first and len(score["values"]) > 1 and len(first["values"]) > 1:
+            row["p"] = pr.welch_margin_test(score["values"], first["values"], margin=0.0).p_value
+    return rows
+
+
+def render_table(rows: list[dict]) -> str:
+    cols = [(c, d) for c, d in COLUMNS if any(c in r for r in rows)]
+    head = ["variant", "runs", "score", "diff", "p"] + [c for c, _ in cols if c != "score"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["variant"], f"{r['ok']}/{r['runs']}", _cell(r.get("score"), 5),
+                 "" if r["diff"] is None else f"{r['diff']:+.5f}", "" if r["p"] is None else f"{r['p']:.3g}"]
+        cells += [_cell(r.get(c), d) for c, d in cols if c != "score"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def _cell(stat: dict | None, digits: int) -> str:
+    if stat is None:
+        return "-"
+    s = f"{stat['mean']:.{digits}f}"
+    return s if stat["std"] is None else f"{s} ± {stat['std']:.{digits}f}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plots (matplotlib: an optional extra of this tool only)
+# ---------------------------------------------------------------------------------------------------
+
+def plot(runs: list[Run], rows: list[dict], logs: Path, sweep: str) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax_step, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for row in rows:
+        curves = [r.curve for r in runs if r.variant == row["variant"] and r.ok and r.curve]
+        if not curves:
+            continue
+        steps = sorted(set.intersection(*({p[0] for p in c} for c in curves)))  # logged in every seed
+        by_step = [{p[0]: p for p in c} for c in curves]
+        loss = [pr.mean([c[s][1] for c in by_step]) for s in steps]
+        secs = [pr.mean([c[s][2] for c in by_step]) / 1000 for s in steps]
+        label = f"{row['variant']} ({len(curves)} seeds)"
+        ax_step.plot(steps, loss, label=label)
+        ax_time.plot(secs, loss, label=label)
+    for ax, xlabel in ((ax_step, "step"), (ax_time, "train time (s)")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("train loss (mean over seeds)")
+        ax.set_yscale("log")
+        ax.legend()
+    curves_png = logs / f"{sweep}_curves.png"
+    fig.tight_layout()
+    fig.savefig(curves_png, dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(rows)), 4.5))
+    scored = [r for r in rows if r.get("score")]
+    ax.bar([r["variant"] for r in scored], [r["score"]["mean"] for r in scored],
+           yerr=[r["score"]["std"] or 0.0 for r in scored], capsize=6)
+    lo = min(r["score"]["mean"] - 3 * (r["score"]["std"] or 0.0) for r in scored) if scored else 0.0
+    hi = max(r["score"]["mean"] + 3 * (r["score"]["std"] or 0.0) for r in scored) if scored else 1.0
+    ax.set_ylim(lo - 0.1 * (hi - lo + 1e-3), hi + 0.1 * (hi - lo + 1e-3))
+    ax.set_ylabel("score val_bpb (mean ± std over seeds)")
+    scores_png = logs / f"{sweep}_scores.png"
+    fig.tight_layout()
+    fig.savefig(scores_png, dpi=120)
+    plt.close(fig)
+    return [curves_png, scores_png]
+
+
+# ---------------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="presets: " + "; ".join(
+        f"{k}: {p.settings}" for k, p in PRESETS.items()))
+    ap.add_argument("--preset", choices=sorted(PRESETS))
+    ap.add_argument("--base", default="", help='settings for every variant, "K=V ..." (over the preset)')
+    ap.add_argument("--variant", action="append", default=[], metavar='NAME="K=V ..."',
+                    help='repeatable; NAME="" is the defaults; the first variant is the one the others are judged against')
+    ap.add_argument("--seeds", default="1337,42", help="comma-separated (default 1337,42)")
+    ap.add_argument("--gpus-per-run", type=int, default=1, help="torchrun with N processes per run (default 1)")
+    ap.add_argument("--script", type=Path, default=ROOT / "train_gpt.py")
+    ap.add_argument("--name", help="sweep name, the prefix of every RUN_ID (default sweep_<UTC time>)")
+    ap.add_argument("--run-timeout", type=float, help="seconds; a run still going then is killed and reported failed")
+    ap.add_argument("--dry-run", action="store_true", help="print each run's command and GPU, run nothing")
+    ap.add_argument("--plot", action="store_true", help="also write PNGs of the loss curves and scores (matplotlib)")
+    return ap.parse_args(argv)
+
+
+def build(args: argparse.Namespace):
+    """(script module, sweep name, variants' settings, seeds, runs, GPU slots), or SweepError."""
+    preset = PRESETS[args.preset] if args.preset else None
+    common = parse_assignments(preset.settings, f"preset {args.preset}") if preset else {}
+    common |= parse_assignments(args.base, "--base")
+    variants: dict[str, dict[str, str]] = {}
+    for arg in args.variant or ['base=']:
+        name, settings = parse_variant(arg)
+        if name in variants:
+            raise SweepError(f"variant {name} is given twice")
+        variants[name] = common | settings
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise SweepError(f"--seeds {args.seeds!r}: expected comma-separated integers") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise SweepError(f"--seeds {args.seeds!r}: need at least one seed, none repeated")
+    if args.gpus_per_run < 1:
+        raise SweepError("--gpus-per-run must be >= 1")
+    sweep = args.name or datetime.now(timezone.utc).strftime("sweep_%Y%m%d_%H%M%S")
+    if not NAME_RE.fullmatch(sweep):
+        raise SweepError(f"--name {sweep!r}: letters, digits, '.', '_', '-' only")
+    script = args.script.resolve()
+    if not script.is_file():
+        raise SweepError(f"--script {script} does not exist")
+    tg = load_script(script)
+    for name, settings in variants.items():
+        check_settings(tg, name, settings, args.gpus_per_run)
+    runs, slots = plan_runs(sweep, variants, seeds, script, args.gpus_per_run, visible_gpus())
+    if preset and preset.train_shards and not args.dry_run:
+        for name, settings in variants.items():
+            data = settings.get("DATA_PATH", os.environ.get("DATA_PATH", tg.Hyperparameters.data_path))
+            n = len(list(Path(data).glob("fineweb_train_*.bin")))
+            if n != preset.train_shards:
+                raise SweepError(f"variant {name}: preset {args.preset} needs {preset.train_shards} train shards in "
+                                 f"DATA_PATH={data}, found {n}")
+    return tg, sweep, variants, seeds, runs, slots
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        tg, sweep, variants, seeds, runs, slots = build(args)
+        if args.plot and importlib.util.find_spec("matplotlib") is None:
+            raise SweepError("--plot needs matplotlib, an optional extra of this tool: pip install matplotlib")
+        logs = Path.cwd() / "logs"
+        taken = [r.run_id for r in runs if (logs / f"{r.run_id}.txt").exists()]
+        if taken and not args.dry_run:
+            raise SweepError(f"logs/{taken[0]}.txt exists already: pick another --name")
+    except SweepError as e:
+        print(f"sweep: error: {e}", file=sys.stderr)
+        return 2
+    where = ", ".join("gpu " + ",".join(s) for s in slots) if slots[0] else "cpu (no visible GPU)"
+    print(f"sweep {sweep}: {len(variants)} variant(s) x {len(seeds)} seed(s) = {len(runs)} runs on {where}"
+          + (f"; preset {args.preset} ({PRESETS[args.preset].about}; calibrated on {CALIBRATED_ON})"
+             if args.preset else ""), flush=True)
+    if args.dry_run:
+        for r in runs:
+            print(f"# {r.variant} seed {r.seed}: " + (f"gpu {','.join(r.gpus)}" if r.gpus else "cpu"))
+            print(shell_line(r))
+        return 0
+    logs.mkdir(exist_ok=True)
+    ex = Executor(tg, Path.cwd(), args.run_timeout, len(slots))
+    threads = [threading.Thread(target=ex.run_slot, args=([r for r in runs if r.slot == i],), daemon=True)
+               for i in range(len(slots))]
+    t0 = time.monotonic()
+    try:
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(0.5)
+        ex.add_xz_sizes(runs)
+    except KeyboardInterrupt:
+        ex.stop()
+        print("sweep: interrupted; the running runs were killed", file=sys.stderr)
+        return 130
+    rows = summarize(runs, list(variants))
+    table = render_table(rows)
+    first = next(iter(variants))
+    print(f"\nsweep {sweep}: {time.monotonic() - t0:.0f} s\n")
+    print(table)
+    print(f"\nscore: legal_ttt_exact val_bpb when TTT ran, else final_int6_sliding_window_exact; ± is the std over "
+          f"seeds (n-1); diff and p (one-sided Welch t-test that the score is lower) against {first}.")
+    for row in rows:
+        if row.get("score") and row["score"]["std"] is not None:
+            print(f"seed spread {row['variant']}: {row['score']['std']:.5f}")
+    result = dict(sweep=sweep, preset=args.preset, calibrated_on=CALIBRATED_ON if args.preset else None,
+                  script=str(args.script), base=args.base, variants=variants, seeds=seeds, table=rows,
+                  runs=[{k: v for k, v in asdict(r).items() if k != "cmd"} | {"cmd": shlex.join(r.cmd)}
+                        for r in runs])
+    (logs / f"{sweep}.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(f"\nwrote logs/{sweep}.json")
+    if args.plot:
+        for png in plot(runs, rows, logs, sweep):
+            print(f"wrote {png.relative_to(Path.cwd())}")
+    return 0 if all(r.ok for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
