@@ -34,9 +34,10 @@ def tiny_base(dataset, tokenizer_path, **overrides) -> str:
     return " ".join(f"{k}={env[k]}" for k in (*TINY_KEYS, "ITERATIONS", *overrides))
 
 
-def run_sweep(args: list[str], cwd: Path, gpus: str = "", timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env.update(CUDA_VISIBLE_DEVICES=gpus, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def run_sweep(args: list[str], cwd: Path, gpus: str = "", timeout: int = 600, **env_extra) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "OMP_NUM_THREADS"))}
+    env.update(CUDA_VISIBLE_DEVICES=gpus, PYTHONUNBUFFERED="1", **env_extra)
     return subprocess.run([sys.executable, str(SWEEP), *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -47,7 +48,7 @@ def tiny_sweep(tmp_path_factory, dataset, tokenizer_path):
     cwd = tmp_path_factory.mktemp("sweep")
     r = run_sweep(["--name", "t", "--seeds", "1337,42", "--base", tiny_base(dataset, tokenizer_path, COMPRESSOR="fast"),
                    "--variant", "base=", "--variant", "lr=MATRIX_LR=0.05",
-                   "--variant", "crash=TOKENIZER_PATH=/nonexistent/tok.model"], cwd)
+                   "--variant", "crash=TOKENIZER_PATH=/nonexistent/tok.model"], cwd, OMP_NUM_THREADS="1")
     return cwd, r
 
 
@@ -138,14 +139,17 @@ def test_dry_run_places_runs_on_both_gpus_swapped_across_seeds(tmp_path):
                                      ("base", 42): "gpu 1", ("parity", 42): "gpu 0"}
     commands = [line for line in r.stdout.splitlines() if "train_gpt.py" in line]
     assert len(commands) == 4 and all("MAX_WALLCLOCK_SECONDS=120" in c for c in commands)
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)  # the host's cores shared by the two runs of a round
+    assert all(f"OMP_NUM_THREADS={threads} " in c for c in commands)
     assert sum("CUDA_VISIBLE_DEVICES=0 " in c and "RUN_ID=" in c and "ARTIFACT_PATH=logs/" in c for c in commands) == 2
     assert not (tmp_path / "logs").exists()
 
 
 def test_dry_run_with_several_gpus_per_run_uses_torchrun(tmp_path):
     r = run_sweep(["--dry-run", "--gpus-per-run", "2", "--variant", "a=", "--variant", "b=MATRIX_LR=0.03",
-                   "--seeds", "1,2"], tmp_path, gpus="4,5,6,7", timeout=120)
+                   "--seeds", "1,2"], tmp_path, gpus="4,5,6,7", timeout=120, OMP_NUM_THREADS="3")
     assert r.returncode == 0, r.stderr
+    assert "OMP_NUM_THREADS" not in r.stdout  # the caller's setting stands
     assert _placements(r.stdout) == {("a", 1): "gpu 4,5", ("b", 1): "gpu 6,7", ("a", 2): "gpu 6,7",
                                      ("b", 2): "gpu 4,5"}
     assert r.stdout.count("torch.distributed.run --standalone --nproc_per_node=2") == 4
