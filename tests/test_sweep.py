@@ -8,9 +8,11 @@ import json
 import lzma
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,8 @@ def test_table_equals_what_the_logs_say(tiny_sweep):
     assert lr["diff"] == pytest.approx(lr["score"]["mean"] - base["score"]["mean"], abs=1e-12)
     assert lr["p"] == pytest.approx(sw.pr.welch_margin_test(lr["score"]["values"], base["score"]["values"], 0.0).p_value)
     assert base["p"] is None and base["diff"] == 0.0
+    lr_line = next(t for t in table if t.startswith("| lr |")).split(" | ")
+    assert lr_line[3] == f"{lr['diff']:+.5f}" and lr_line[4] == f"{lr['p']:.3g}"
     assert lr["score"]["mean"] != base["score"]["mean"]  # the variant's setting reached its runs
     for run in result["runs"]:
         if run["variant"] != "crash":  # every phase's marker came, and the phases add up to the wall time
@@ -179,16 +183,22 @@ def test_welch_p_against_a_published_example():
     assert rows[1]["p"] == pytest.approx(1 - w.p_value, rel=1e-9)
 
 
-def test_plot_writes_pngs_or_says_matplotlib_is_missing(tmp_path):
+def test_plot_writes_both_pngs(tmp_path):
+    pytest.importorskip("matplotlib")  # an extra of the tool only; .ci/run installs it so this runs there
     runs = [sw.Run(v, s, 0, [], f"{v}{s}", {}, [], rc=0, wall_s=1.0, metrics={"score": 1.5 + 0.01 * s + 0.1 * (v == "b")},
                    curve=[(i, 3.0 / i + s * 1e-3, 100.0 * i) for i in range(1, 6)]) for v in "ab" for s in (1, 2)]
-    rows = sw.summarize(runs, ["a", "b"])
-    if importlib.util.find_spec("matplotlib") is None:
-        r = run_sweep(["--dry-run", "--plot"], tmp_path, timeout=120)
-        assert r.returncode == 2 and "--plot needs matplotlib" in r.stderr
-        return
-    for png in sw.plot(runs, rows, tmp_path, "p"):
+    pngs = sw.plot(runs, sw.summarize(runs, ["a", "b"]), tmp_path, "p")
+    assert [p.name for p in pngs] == ["p_curves.png", "p_scores.png"]
+    for png in pngs:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_refused_before_any_run(tmp_path, monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.chdir(tmp_path)
+    assert sw.main(["--plot", "--seeds", "1"]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err and not (tmp_path / "logs").exists()
 
 
 @pytest.mark.parametrize("name", sorted(sw.PRESETS))
@@ -198,3 +208,103 @@ def test_presets_pass_the_scripts_parsing_and_are_in_the_readme(name):
     sw.check_settings(tg, name, settings, 1)
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert f"`{name}`: `{sw.PRESETS[name].settings}`" in readme
+
+
+# ---------------------------------------------------------------------------------------------------
+# How a run ends: the runner's execute/collect on stand-in commands that write a log and exit
+# ---------------------------------------------------------------------------------------------------
+
+FAKE_RUN = """
+import os, sys, time
+from pathlib import Path
+log = Path("logs") / (os.environ["RUN_ID"] + ".txt")
+lines = {lines!r}
+log.write_text("\\n".join(lines) + "\\n")
+print("last words of", os.environ["RUN_ID"])
+time.sleep({sleep})
+sys.exit({rc})
+"""
+SCORED = ["setting ttt_enabled:{ttt}", "model_params:1", "warmup_step:1/1",
+          "train_done steps:10 train_time:100ms step_avg:10.00ms", "Serialized model int6+lzma: 900 bytes",
+          "code_bytes:100", "Total submission size int6+lzma: 1000 bytes limit:16000000 headroom:15999000",
+          "final_int6_sliding_window_exact val_loss:2.00000000 val_bpb:1.50000000"]
+
+
+def fake_run(tmp_path, name: str, lines: list[str], rc: int = 0, sleep: float = 0.0) -> sw.Run:
+    code = FAKE_RUN.format(lines=lines, sleep=sleep, rc=rc)
+    return sw.Run(name, 1, 0, [], name, {"RUN_ID": name}, [sys.executable, "-c", code])
+
+
+@pytest.mark.parametrize("lines, rc, ok, why", [
+    (SCORED, 0, True, None),
+    (SCORED + ["ERROR submission_over_limit total:1000 limit:900 over_by:100"], 1, True, None),
+    (SCORED, 1, False, "exit status 1 after its last score"),  # e.g. TTT died after the sliding score
+    ([line.format(ttt="True") for line in SCORED], 0, False, "TTT_ENABLED but no legal_ttt line"),
+    (SCORED[:4], 1, False, "exit status 1, no final score line"),
+    (["==== source: train_gpt.py ===="], 0, False, "runner error"),  # unreadable log: parse_log raises
+])
+def test_how_a_run_ends_decides_whether_it_counts(tmp_path, lines, rc, ok, why):
+    (tmp_path / "logs").mkdir()
+    runs = [fake_run(tmp_path, "first", [line.format(ttt="False") for line in lines], rc),
+            fake_run(tmp_path, "after", [line.format(ttt="False") for line in SCORED])]
+    ex = sw.Executor(None, tmp_path, None, 1)
+    ex.run_slot(runs)
+    first, after = runs
+    assert first.ok == ok and after.ok  # whatever happened to a run, the slot's next run still ran
+    if ok:
+        assert first.metrics["score"] == 1.5 and first.metrics["bytes_lzma"] == 1000.0  # lzma run: its own size
+        assert sw.finish_line(first).count("OVER_LIMIT") == rc
+    else:
+        assert why in first.error and "score" not in first.metrics
+        assert "last words of first" in first.error or why == "runner error"
+
+
+def test_run_timeout_kills_the_run(tmp_path):
+    (tmp_path / "logs").mkdir()
+    run = fake_run(tmp_path, "slow", SCORED, sleep=60)
+    t0 = time.monotonic()
+    sw.Executor(None, tmp_path, 1.0, 1).run_slot([run])
+    assert time.monotonic() - t0 < 20 and not run.ok and run.error.startswith("timed out")
+
+
+def test_a_terminated_sweep_kills_its_runs(tmp_path):
+    """SIGTERM to the runner ends the run it started, although the run lives in its own session."""
+    script = tmp_path / "sleepy.py"  # train_gpt.py whose run only records its pid and sleeps
+    src = (ROOT / "train_gpt.py").read_text()
+    script.write_text(src[: src.index('if __name__ == "__main__":')] + 'if __name__ == "__main__":\n'
+                      '    Path("pid").write_text(str(os.getpid()))\n    time.sleep(120)\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_NUM_THREADS")}
+    proc = subprocess.Popen([sys.executable, str(SWEEP), "--script", str(script), "--seeds", "1"], cwd=tmp_path,
+                            env=dict(env, CUDA_VISIBLE_DEVICES=""), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pid = int((tmp_path / "pid").read_text())
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "interrupted" in err
+    time.sleep(0.5)
+    stat = Path(f"/proc/{pid}/stat")  # gone, or a zombie nobody reaped yet (this container's init may not)
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_placement_fills_every_gpu_and_moves_every_variant():
+    for V in range(1, 7):
+        for G in range(1, 6):
+            variants = {f"v{i}": {} for i in range(V)}
+            gpus = [str(i) for i in range(G)]
+            runs, slots = sw.plan_runs("p", variants, [1, 2, 3], Path("x.py"), 1, gpus)
+            load = [sum(r.slot == i for r in runs) for i in range(G)]
+            assert max(load) - min(load) <= 1, (V, G, load)  # balanced: no GPU idle while another queues
+            for name in variants:
+                mine = [r.slot for r in runs if r.variant == name]
+                assert G == 1 or all(a != b for a, b in zip(mine, mine[1:])), (V, G, name, mine)
+
+
+def test_a_coder_the_python_lacks_is_refused_before_any_run(monkeypatch):
+    tg = sw.load_script(ROOT / "train_gpt.py")
+    monkeypatch.setattr(tg, "_zstd", lambda: None)
+    with pytest.raises(sw.SweepError, match="COMPRESSOR=fast needs the zstandard package"):
+        sw.check_settings(tg, "x", {"COMPRESSOR": "fast"}, 1)
+    sw.check_settings(tg, "x", {"COMPRESSOR": "lzma"}, 1)

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -133,6 +134,9 @@ def check_settings(tg, name: str, settings: dict[str, str], world_size: int) -> 
             raise SweepError(f"variant {name}: {key} is ignored by train_gpt.py (a dropped reference setting)")
         close = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.0)
         raise SweepError(f"variant {name}: unknown setting {key}; closest valid setting: {close[0]}")
+    if settings.get("COMPRESSOR", os.environ.get("COMPRESSOR")) in ("zstd", "fast") and tg._zstd() is None:
+        raise SweepError(f"variant {name}: COMPRESSOR={settings.get('COMPRESSOR', os.environ.get('COMPRESSOR'))} "
+                         "needs the zstandard package, which this Python lacks")
     try:
         cfg, _ = tg.Hyperparameters.from_env(settings | {"RUN_ID": "check"})
         tg.resolve_grad_accum(cfg, world_size)
@@ -177,7 +181,7 @@ class Run:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.rc is not None
+        return self.error is None and "score" in self.metrics
 
 
 def plan_runs(sweep: str, variants: dict[str, dict[str, str]], seeds: list[int], script: Path,
@@ -192,10 +196,12 @@ def plan_runs(sweep: str, variants: dict[str, dict[str, str]], seeds: list[int],
     threads = str(max(1, cores // (len(slots) * gpus_per_run)))
     launcher = [sys.executable] if gpus_per_run == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus_per_run}"]
-    runs = []
+    runs, V, G = [], len(variants), len(slots)
     for s, seed in enumerate(seeds):
         for v, (name, settings) in enumerate(variants.items()):
-            slot = (v + s) % len(slots)
+            # round robin over the whole sweep fills every slot; when V is a multiple of the slot count that
+            # alone would keep each variant on one GPU, so each seed's block is also turned by one
+            slot = (s * V + v + (s if V % G == 0 else 0)) % G
             run_id = f"{sweep}_{name}_s{seed}"
             env = dict(settings, RUN_ID=run_id, SEED=str(seed), ARTIFACT_PATH=f"logs/{run_id}.int6.ptz")
             if "OMP_NUM_THREADS" not in settings and "OMP_NUM_THREADS" not in os.environ:
@@ -229,20 +235,24 @@ class Executor:
 
     def run_slot(self, runs: list[Run]) -> None:
         for run in runs:
-            if self.stopping:
-                return
-            self.execute(run)
+            try:
+                if not self.execute(run):
+                    return  # stopping
+            except Exception:  # noqa: BLE001  (a broken run must not take the slot's later runs with it)
+                run.error, run.metrics = "runner error\n" + traceback.format_exc(), {}
             self.say(finish_line(run))
 
-    def execute(self, run: Run) -> None:
+    def execute(self, run: Run) -> bool:
         env = dict(os.environ, **run.settings, PYTHONUNBUFFERED="1")
         out_path = self.cwd / "logs" / f"{run.run_id}.out"
         marks: dict[str, float] = {}
         t0 = time.monotonic()
         with open(out_path, "w", encoding="utf-8") as out:
-            proc = subprocess.Popen(run.cmd, cwd=self.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, errors="replace", start_new_session=True)
-            with self.lock:
+            with self.lock:  # a run either starts before stop() or not at all
+                if self.stopping:
+                    return False
+                proc = subprocess.Popen(run.cmd, cwd=self.cwd, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
                 self.procs.add(proc)
             timer = threading.Timer(self.run_timeout, _kill, (proc,)) if self.run_timeout else None
             if timer:
@@ -264,6 +274,7 @@ class Executor:
         run.wall_s = time.monotonic() - t0
         run.phases_s = phase_times(marks, run.wall_s)
         collect(run, self.cwd, out_path, timed_out=bool(timer) and run.wall_s >= self.run_timeout)
+        return True
 
     def xz_size(self, artifact: Path) -> int:
         """The artifact's size had the run used xz (COMPRESSOR=lzma), the coder of the records."""
@@ -272,13 +283,21 @@ class Executor:
     def add_xz_sizes(self, runs: list[Run]) -> None:
         for run in runs:
             if run.ok and run.run_id in self.recoded and "code_bytes" in run.metrics:
-                run.metrics["bytes_lzma"] = float(self.recoded[run.run_id].result() + run.metrics["code_bytes"])
+                try:
+                    run.metrics["bytes_lzma"] = float(self.recoded[run.run_id].result() + run.metrics["code_bytes"])
+                except Exception as e:  # noqa: BLE001  (the column stays empty for this run)
+                    print(f"sweep: warning: xz coding of {run.run_id}'s artifact failed: {e!r}", file=sys.stderr)
 
     def stop(self) -> None:
-        self.stopping = True
         with self.lock:
+            self.stopping = True
             for proc in self.procs:
                 _kill(proc)
+        self.coder.shutdown(wait=False, cancel_futures=True)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -301,13 +320,21 @@ def phase_times(marks: dict[str, float], wall_s: float) -> dict[str, float]:
 
 
 def collect(run: Run, cwd: Path, out_path: Path, timed_out: bool) -> None:
-    """Final metrics from the script's own log. A run counts when it logged its score; a non-zero exit
-    with a score is an artifact over the size limit (the table's bytes column shows it)."""
+    """Final metrics from the script's own log. A run counts when it exited 0 with its last score logged, or
+    exited 1 only because its artifact is over the size limit (the table's bytes columns show by how much)."""
     log_path = cwd / "logs" / f"{run.run_id}.txt"
-    log = pr.parse_log(log_path) if log_path.is_file() else None
-    if timed_out or log is None or log.score_event is None:
+    log = pr.parse_log(log_path) if log_path.is_file() and not timed_out else None
+    why = None
+    if timed_out:
+        why = "timed out"
+    elif log is None or log.score_event is None:
+        why = f"exit status {run.rc}, no final score line"
+    elif log.settings.get("ttt_enabled") == "True" and log.score_event != "legal_ttt_exact":
+        why = f"exit status {run.rc}, TTT_ENABLED but no legal_ttt line"
+    elif run.rc != 0 and not (run.rc == 1 and "ERROR submission_over_limit" in log_path.read_text(encoding="utf-8")):
+        why = f"exit status {run.rc} after its last score"
+    if why:
         tail = out_path.read_text(encoding="utf-8", errors="replace").splitlines()[-15:]
-        why = "timed out" if timed_out else f"exit status {run.rc}, no final score line"
         run.error = why + "\n" + "\n".join("    " + line for line in tail)
         return
     m = {"score": log.val_bpb}
@@ -319,6 +346,8 @@ def collect(run: Run, cwd: Path, out_path: Path, timed_out: bool) -> None:
         m["step_avg_ms"] = float(log.events["train_done"]["step_avg"].removesuffix("ms"))
     if log.total_bytes is not None:
         m["bytes"], m["code_bytes"] = float(log.total_bytes), float(log.code_bytes)
+        if log.compressor == "lzma":  # already the records' coder
+            m["bytes_lzma"] = m["bytes"]
     if log.peak_mib is not None:
         m["peak_alloc_mib"], m["peak_reserved_mib"] = map(float, log.peak_mib)
     run.metrics = m
@@ -330,6 +359,8 @@ def finish_line(run: Run) -> str:
     head = f"run {run.variant} seed:{run.seed} {where}"
     if not run.ok:
         return f"{head} FAILED ({run.error})"
+    if run.rc == 1:
+        head += " OVER_LIMIT"
     m = run.metrics
     phases = " ".join(f"{k}:{v:.0f}s" for k, v in run.phases_s.items())
     steps = f" steps:{m['steps']:.0f} step_avg:{m['step_avg_ms']:.2f}ms" if "steps" in m else ""
@@ -516,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = [threading.Thread(target=ex.run_slot, args=([r for r in runs if r.slot == i],), daemon=True)
                for i in range(len(slots))]
     t0 = time.monotonic()
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a killed sweep kills its runs (they run in their own sessions)
+        signal.signal(sig, _interrupt)
     try:
         for t in threads:
             t.start()
@@ -525,8 +558,11 @@ def main(argv: list[str] | None = None) -> int:
         ex.add_xz_sizes(runs)
     except KeyboardInterrupt:
         ex.stop()
-        print("sweep: interrupted; the running runs were killed", file=sys.stderr)
-        return 130
+        for t in threads:  # their runs are killed: they close their .out files and end
+            t.join(5)
+        print("sweep: interrupted; the running runs were killed", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)  # not sys.exit: that would wait for an xz job already under way (up to 36 s)
     rows = summarize(runs, list(variants))
     table = render_table(rows)
     first = next(iter(variants))
@@ -538,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         if row.get("score") and row["score"]["std"] is not None:
             print(f"seed spread {row['variant']}: {row['score']['std']:.5f}")
     result = dict(sweep=sweep, preset=args.preset, calibrated_on=CALIBRATED_ON if args.preset else None,
-                  script=str(args.script), base=args.base, variants=variants, seeds=seeds, table=rows,
+                  script=str(args.script.resolve()), base=args.base, variants=variants, seeds=seeds, table=rows,
                   runs=[{k: v for k, v in asdict(r).items() if k != "cmd"} | {"cmd": shlex.join(r.cmd)}
                         for r in runs])
     (logs / f"{sweep}.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
