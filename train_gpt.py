@@ -4,8 +4,22 @@ Record run:   torchrun --standalone --nproc_per_node=8 train_gpt.py
 One process:  python3 train_gpt.py        (CPU works too: tiny configs, gloo, SDPA math, no compile)
 Every setting is an environment variable named after a Hyperparameters field (README lists them all).
 Seed system: PR #399 (parameter banking + Parallel Muon) on the PR #315/#414 model stack; facts and
-parity details in the project's REFERENCE.md. Line budget: about 1,500 lines for the seed system,
-growing only with features that earn their bytes (every byte of this file counts against 16 MB).
+parity details in the project's REFERENCE.md. Line budget: 1,750 lines for today's features, growing only
+with features that earn their bytes.
+
+Sections, each using only those above it:
+  Config      Hyperparameters from the environment, strictly parsed
+  Runtime     the "auto" choices resolved once (device, ranks, attention, kernels, compile, graphs,
+              accumulation), collectives, logging, clock
+  Optimizer   Parallel Muon for the banks, AdamW for the rest, one table of parameter groups
+  Data        challenge shards, samplers, the prefetching loader
+  Model       PyTorch ops, the quantisation grid, the bank layout, the GPT
+  Kernels     the same ops as Triton kernels (optional), and build_model
+  Scoring     val_bpb byte tables, sliding windows, the Scorer
+  Legal TTT   score a chunk, then train on it
+  Export      quantise, pack, compress; read back
+  Training    EMA, schedule, the step with CUDA graphs, the timed loop
+  main        orchestration
 """
 from __future__ import annotations
 
@@ -24,6 +38,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,12 +46,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+try:  # the optional kernels (Kernels section); CUDA builds of torch bring triton
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 # =============================================================================================
 # Config
 # =============================================================================================
 
 DROPPED_SETTINGS = {"SWA_ENABLED", "SWA_EVERY", "DTG_ENABLED", "LATE_QAT", "QAT_ENABLED",
-                    "GATED_ATTENTION", "VALUE_RESIDUAL"}  # + LAWA_*, MTP_*: the reference's dead ends
+                    "GATED_ATTENTION", "VALUE_RESIDUAL",  # + LAWA_*, MTP_*: the reference's dead ends
+                    "FP8_ENABLED"}  # ours until 2026-11: no faster at the record micro-batch, 0.002-0.003 bpb worse
 DROPPED_PREFIXES = ("LAWA_", "MTP_")
 # Environment variables of launchers and libraries that share a word with our fields.
 FOREIGN_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP_", "MASTER_", "LOCAL_", "GROUP_", "ROLE_",
@@ -99,7 +121,6 @@ class Hyperparameters:
     ve_layers: str = "9,10"  # comma-separated layer indices
     attn_backend: str = "auto"  # auto = fa3 if importable, else SDPA cudnn (CUDA) / math (CPU)
     kernels: str = "auto"  # q/k norm+RoPE+gain, XSA, soft-capped cross entropy: auto = triton on CUDA, torch ops on CPU (triton there needs TRITON_INTERPRET=1)
-    fp8_enabled: bool = False  # training bank matmuls in e4m3, per-row scales, bf16 backward; scoring stays bf16
     # --- optimizer
     matrix_lr: float = 0.025  # Muon lr for the four banks
     scalar_lr: float = 0.025  # AdamW lr for control tensors and small projections
@@ -212,36 +233,101 @@ def _looks_like_ours(key: str, by_env: dict) -> bool:
 
 
 # =============================================================================================
-# Distributed helpers: world_size == 1 is the degenerate case of the same code
+# Runtime: the "auto" choices resolved once, distributed helpers, logging, clock
 # =============================================================================================
 
 @dataclass(frozen=True)
-class Dist:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
+class Runtime:
+    """What the settings and the machine decide together, resolved once by init_runtime and logged once
+    (the `layout` line). The defaults are one CPU process: world_size == 1 is the degenerate case of the
+    same code, so tests build models and trainers with Runtime() as they are."""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    attn_backend: str = "math"  # fa3 | flash | cudnn | math
+    kernels: str = "torch"  # triton | torch: who runs q/k norm+RoPE, XSA and the training loss
+    compile_enabled: bool = False
+    cuda_graphs: bool = False
+    grad_accum: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def describe(self) -> str:
+        return (f"layout world_size:{self.world_size} grad_accum_steps:{self.grad_accum} attn_backend:{self.attn_backend} "
+                f"kernels:{self.kernels} compile:{int(self.compile_enabled)} cuda_graphs:{int(self.cuda_graphs)}")
 
-def init_distributed(cfg: Hyperparameters) -> Dist:
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
+
+def grad_accum_steps(cfg: Hyperparameters, world_size: int) -> int:
+    accum = cfg.grad_accum_steps or max(1, 8 // world_size)
+    if cfg.train_batch_tokens % (world_size * accum * cfg.train_seq_len):
+        raise ValueError(f"TRAIN_BATCH_TOKENS={cfg.train_batch_tokens} does not divide into WORLD_SIZE={world_size}"
+                         f" x GRAD_ACCUM_STEPS={accum} x TRAIN_SEQ_LEN={cfg.train_seq_len}")
+    return accum
+
+
+def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Runtime:
+    """Resolve every "auto" setting for this machine and process, join the process group (torchrun's
+    WORLD_SIZE / RANK / LOCAL_RANK), and configure CUDA."""
+    env = os.environ if env is None else env
+    world_size, rank, local_rank = (int(env.get(k, d)) for k, d in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")))
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
         raise RuntimeError("DEVICE=cuda but CUDA is not available")
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    for name, value in (("ATTN_BACKEND", cfg.attn_backend), ("CUDA_GRAPHS", cfg.cuda_graphs)):
+        if not cuda and value in ("fa3", "flash", "cudnn", "1"):
+            raise ValueError(f"{name}={value} needs CUDA")
+    if cfg.kernels == "triton" and triton is None:
+        raise ValueError("KERNELS=triton needs the triton package")
+    if cfg.kernels == "triton" and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("KERNELS=triton off CUDA needs TRITON_INTERPRET=1 (Triton's interpreter)")
+    if cfg.attn_backend != "auto":
+        attn = cfg.attn_backend
+    else:  # cuDNN SDPA (native GQA) ran fwd+bwd in 2.40 ms vs 3.71 for SDPA flash at the record micro-batch (H200)
+        import importlib.util
+        attn = ("fa3" if importlib.util.find_spec("flash_attn_interface") else "cudnn") if cuda else "math"
+    kernels = cfg.kernels if cfg.kernels != "auto" else ("triton" if cuda and triton is not None else "torch")
+    auto_on = {"auto": cuda, "1": True, "0": False}
+    rt = Runtime(rank, world_size, local_rank, device, attn, kernels, auto_on[cfg.compile_enabled],
+                 auto_on[cfg.cuda_graphs], grad_accum_steps(cfg, world_size))
+    configure_inductor()
+    if cuda:
         torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        b = torch.backends.cuda  # one SDPA kernel, so a silent fallback cannot change speed
+        b.enable_flash_sdp(attn == "flash")
+        b.enable_cudnn_sdp(attn == "cudnn")
+        b.enable_mem_efficient_sdp(False)
+        b.enable_math_sdp(attn == "math")
     if world_size > 1 and not dist.is_initialized():
-        if use_cuda:
-            dist.init_process_group("nccl", device_id=device)
-        else:
-            dist.init_process_group("gloo")
-    return Dist(rank, world_size, local_rank, device)
+        dist.init_process_group("nccl", device_id=device) if cuda else dist.init_process_group("gloo")
+    return rt
+
+
+def configure_inductor() -> None:
+    """Inductor's mix-order reductions (the per-channel scale gradients summed inside the rms_norm backward
+    that reads the same rows) only with multi-stage pipelining, unless TORCHINDUCTOR_MIX_ORDER_REDUCTION is
+    set; with TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES=0 they are off. Torch 2.11, H200, record
+    step: single-stage they cost 20 ms; multi-stage they saved 1.8 ms against off, +288 MiB."""
+    import torch._inductor.config as inductor_config
+    c = inductor_config.triton
+    if "TORCHINDUCTOR_MIX_ORDER_REDUCTION" not in os.environ and hasattr(c, "mix_order_reduction"):
+        multi = hasattr(c, "mix_order_reduction_allow_multi_stages")
+        if multi and "TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES" not in os.environ:
+            c.mix_order_reduction_allow_multi_stages = True
+        c.mix_order_reduction = multi and c.mix_order_reduction_allow_multi_stages
+
+
+def compiled(fn, rt: Runtime):
+    """The one way this file compiles: whole graphs of fixed shapes (one compile per shape)."""
+    return torch.compile(fn, dynamic=False, fullgraph=True) if rt.compile_enabled else fn
+
+
+def autocast(device: torch.device):
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 def _distributed() -> bool:
@@ -297,6 +383,31 @@ def all_reduce_max(x: float | list[float], device: torch.device):
 # torch >= 2.13 renames the tensor collectives; 2.11 (the GPU machine) has only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def now_ms(device: torch.device) -> float:
+    """Host clock after the device's queue has drained."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() * 1000.0
+
+
+class Logger:
+    """Rank 0 only: `event key:value` lines to stdout and logs/<RUN_ID>.txt."""
+
+    def __init__(self, run_id: str, enabled: bool):
+        self.enabled = enabled
+        self.path = Path("logs") / f"{run_id}.txt"
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, msg: str, console: bool = True) -> None:
+        if not self.enabled:
+            return
+        if console:
+            print(msg, flush=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(msg + "\n")
 
 
 # =============================================================================================
@@ -435,11 +546,10 @@ class ParallelMuon(torch.optim.Optimizer):
 
 # One table: every parameter's optimizer and lr/wd setting, matched by name pattern (exactly one).
 PARAM_TABLE = (  # (group, name predicate)
-    ("muon", lambda n: n.endswith("_bank")),
-    ("token", lambda n: n in ("tok_emb.weight", "bigram.embed.weight", "ve.embed.weight")),
+    ("muon", lambda n: n in BANKS),
+    ("token", lambda n: n in EMBED_TABLES),
     ("head", lambda n: n == "lm_head.weight"),
-    ("scalar", lambda n: not n.endswith("_bank") and n not in (
-        "tok_emb.weight", "bigram.embed.weight", "ve.embed.weight", "lm_head.weight")),
+    ("scalar", lambda n: n not in BANKS and n not in EMBED_TABLES and n != "lm_head.weight"),
 )
 
 
@@ -457,21 +567,21 @@ class Optimizers:
     all-reduce replicated grads (one coalesced buffer), wait, one scalar all-reduce for the global
     grad norm, clip, AdamW, Muon with overlapped all-gathers."""
 
-    def __init__(self, model: nn.Module, cfg: Hyperparameters, d: Dist):
+    def __init__(self, model: nn.Module, cfg: Hyperparameters, rt: Runtime):
         groups = group_parameters(model)
         self.keep_grads = False  # zero .grad instead of freeing it (set by the Trainer while CUDA graphs use it)
-        self.rank, self.world_size = d.rank, d.world_size
+        self.rank, self.world_size = rt.rank, rt.world_size
         comm = cfg.muon_reduce_dtype
-        comm_dtype = torch.bfloat16 if comm == "bf16" or (comm == "auto" and d.device.type == "cuda") \
+        comm_dtype = torch.bfloat16 if comm == "bf16" or (comm == "auto" and rt.device.type == "cuda") \
             else torch.float32
         self.muon = ParallelMuon([p for _, p in groups["muon"]], cfg.matrix_lr, cfg.muon_momentum,
-                                 cfg.muon_wd, cfg.muon_backend_steps, comm_dtype, d.world_size)
+                                 cfg.muon_wd, cfg.muon_backend_steps, comm_dtype, rt.world_size)
         table_lr = cfg.tied_embed_lr if cfg.tie_embeddings else cfg.embed_lr
         adam_groups = [dict(params=[p for _, p in groups[g]], lr=lr, weight_decay=wd, base_lr=lr)
                        for g, lr, wd in (("token", table_lr, cfg.adam_wd), ("scalar", cfg.scalar_lr, cfg.adam_wd),
                                          ("head", cfg.head_lr, 0.0)) if groups[g]]
         self.adam = torch.optim.AdamW(adam_groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
-                                      fused=d.device.type == "cuda")
+                                      fused=rt.device.type == "cuda")
         self.muon.param_groups[0]["base_lr"] = cfg.matrix_lr
         self.replicated = [p for g, _ in PARAM_TABLE if g != "muon" for _, p in groups[g]]
         self.clip_norm = cfg.grad_clip_norm
@@ -649,24 +759,24 @@ class TrainLoader:
     hidden by the GPU's queue: a worker thread stalled the host 55 ms a step (H200), its pinning calls
     likely queued behind the main thread's launches, which block holding the GIL when the queue is full."""
 
-    def __init__(self, files: list[str], cfg: Hyperparameters, d: Dist, grad_accum: int):
+    def __init__(self, files: list[str], cfg: Hyperparameters, rt: Runtime):
         sampler = CoprimeSampler if cfg.train_sampling == "coprime" else SequentialSampler
         self.sampler = sampler(files, cfg.vocab_size, cfg.train_seq_len)
         self.seq_len, self.seqs_per_step = cfg.train_seq_len, cfg.train_batch_tokens // cfg.train_seq_len
-        self.d, self.grad_accum = d, grad_accum
-        self.seqs_per_micro = self.seqs_per_step // (d.world_size * grad_accum)
+        self.rt, self.grad_accum = rt, rt.grad_accum
+        self.seqs_per_micro = self.seqs_per_step // (rt.world_size * rt.grad_accum)
         self.ahead = None  # (sampler state before it, x, y, copy-done event) of the prefetched step
-        if d.device.type == "cuda":
-            shape = (grad_accum * self.seqs_per_micro, self.seq_len)
+        if rt.device.type == "cuda":
+            shape = (rt.grad_accum * self.seqs_per_micro, self.seq_len)
             self.host = [[torch.empty(shape, dtype=torch.int64, pin_memory=True) for _ in "xy"] for _ in "ab"]
             self.copied = [torch.cuda.Event(), torch.cuda.Event()]  # last copy out of each pinned pair
-            self.stream, self.flip = torch.cuda.Stream(d.device), 0
+            self.stream, self.flip = torch.cuda.Stream(rt.device), 0
 
     def _load(self) -> tuple:
         state = copy.deepcopy(self.sampler.state_dict())
-        seqs, s, W = self.sampler.take_sequences(self.seqs_per_step), self.seqs_per_micro, self.d.world_size
-        mine = np.concatenate([seqs[(m * W + self.d.rank) * s:][:s] for m in range(self.grad_accum)])
-        if self.d.device.type != "cuda":
+        seqs, s, W = self.sampler.take_sequences(self.seqs_per_step), self.seqs_per_micro, self.rt.world_size
+        mine = np.concatenate([seqs[(m * W + self.rt.rank) * s:][:s] for m in range(self.grad_accum)])
+        if self.rt.device.type != "cuda":
             t = torch.from_numpy(mine.astype(np.int64))
             return state, t[:, :-1].contiguous(), t[:, 1:].contiguous(), None
         self.flip ^= 1
@@ -676,7 +786,7 @@ class TrainLoader:
         np.copyto(hx.numpy(), mine[:, :-1])
         np.copyto(hy.numpy(), mine[:, 1:])
         with torch.cuda.stream(self.stream):
-            x, y = hx.to(self.d.device, non_blocking=True), hy.to(self.d.device, non_blocking=True)
+            x, y = hx.to(self.rt.device, non_blocking=True), hy.to(self.rt.device, non_blocking=True)
             done.record()
         return state, x, y, done
 
@@ -692,7 +802,7 @@ class TrainLoader:
         _, x, y, done = self.ahead
         self.ahead = None
         if done is not None:  # the compute stream waits for the copy; the memory is freed after its use
-            compute = torch.cuda.current_stream(self.d.device)
+            compute = torch.cuda.current_stream(self.rt.device)
             compute.wait_event(done)
             x.record_stream(compute), y.record_stream(compute)
         s = self.seqs_per_micro
@@ -707,16 +817,8 @@ class TrainLoader:
         self.sampler.load_state_dict(copy.deepcopy(s))
 
 
-def resolve_grad_accum(cfg: Hyperparameters, world_size: int) -> int:
-    accum = cfg.grad_accum_steps or max(1, 8 // world_size)
-    if cfg.train_batch_tokens % (world_size * accum * cfg.train_seq_len):
-        raise ValueError(f"TRAIN_BATCH_TOKENS={cfg.train_batch_tokens} does not divide into WORLD_SIZE={world_size}"
-                         f" x GRAD_ACCUM_STEPS={accum} x TRAIN_SEQ_LEN={cfg.train_seq_len}")
-    return accum
-
-
 # =============================================================================================
-# Model: banked GPT
+# Model: banked GPT on plain PyTorch ops (the Kernels section below swaps in Triton versions)
 # =============================================================================================
 
 def rms_norm(x: Tensor) -> Tensor:
@@ -746,6 +848,253 @@ def qk_norm_rope_reference(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_
     y = apply_rope(rms_norm(x_BTHD), cos_TF, sin_TF)
     return y if gain_H is None else y * gain_H.to(y.dtype)[:, None]
 
+def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str) -> Tensor:
+    """Causal GQA attention, (B,T,H,D) in and out."""
+    if backend == "fa3":
+        from flash_attn_interface import flash_attn_func  # FlashAttention-3 (Hopper), optional
+        y = flash_attn_func(q_BTHD, k_BTKD, v_BTKD, causal=True)
+        return y[0] if isinstance(y, tuple) else y
+    q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTKD, v_BTKD))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+
+
+def exclusive_self_attention_reference(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
+    """XSA (PR #265 lineage): remove from each head's output its component along its own token's
+    normalised value vector, so attention carries context rather than the token itself."""
+    B, T, H, D = y_BTHD.shape
+    K = v_BTKD.size(2)
+    y = y_BTHD.reshape(B, T, K, H // K, D)
+    vn = F.normalize(v_BTKD, dim=-1).unsqueeze(-2)
+    return (y - (y * vn).sum(-1, keepdim=True) * vn).reshape(B, T, H, D)
+
+
+def softcap(logits: Tensor, cap: float) -> Tensor:
+    return cap * torch.tanh(logits / cap) if cap > 0 else logits
+
+
+def cross_entropy(logits_NV: Tensor, targets_N: Tensor, reduction: str = "mean") -> Tensor:
+    """The torch path's loss, for training, scoring and TTT alike: cross entropy in fp32 of the (capped)
+    logits."""
+    return F.cross_entropy(logits_NV.float(), targets_N, reduction=reduction)
+
+
+def softcap_loss_reference(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Tensor:
+    """Mean training loss of raw logits: what the Triton kernel fuses (it keeps the capped logits in fp32)."""
+    return cross_entropy(softcap(logits_NV, cap), targets_N)
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The ops a forward needs that exist twice: as PyTorch ops (below) and as Triton kernels (Kernels)."""
+    qk_norm_rope: Callable  # (x_BTHD, cos_TF, sin_TF, gain_H | None) -> BTHD
+    xsa: Callable  # (y_BTHD, v_BTKD) -> BTHD
+    loss: Callable  # (raw logits_NV, targets_N, cap) -> mean loss
+
+
+TORCH_OPS = Ops(qk_norm_rope_reference, exclusive_self_attention_reference, softcap_loss_reference)
+
+# The quantisation grid, one for late QAT and the export: per-row scale = clip / qmax, floored and stored (so
+# also applied) as fp16; codes = round(w / scale) in [-qmax, qmax]. The banks use int6 (qmax 31) with
+# INT6_SCALE_FLOOR; QAT clips each row at its max, the export searches the clip (Export).
+INT6_MAX = 31
+
+
+def grid_scale(clip_R: Tensor, qmax: int, floor: float) -> Tensor:
+    return (clip_R / qmax).clamp_min(floor).half().float()
+
+
+def grid_codes(w_RC: Tensor, clip_R: Tensor, scale_R: Tensor, qmax: int) -> Tensor:
+    clip = clip_R[:, None]
+    return torch.clamp(torch.round(torch.maximum(torch.minimum(w_RC, clip), -clip) / scale_R[:, None]), -qmax, qmax)
+
+
+def fake_quant_int6(w: Tensor, floor: float) -> Tensor:
+    """Straight-through fake quantisation of each row (last dim) to the exported int6 grid."""
+    w2 = w.detach().reshape(-1, w.size(-1))
+    clip = w2.abs().amax(dim=1)
+    scale = grid_scale(clip, INT6_MAX, floor)
+    q = (grid_codes(w2, clip, scale, INT6_MAX) * scale[:, None]).view_as(w)
+    return w + (q - w).detach()
+
+
+# The bank layout, the one place that says which per-layer matrix lives where. Banks (PR #399): one 3-D
+# parameter per matrix shape, so Muon orthogonalises every layer's matrices of a kind as one batch. Layer i's
+# matrix of slot s lives at bank[s * NUM_LAYERS + i].
+BANKS = {"qo_bank": ("attn.q", "attn.o"), "kv_bank": ("attn.k", "attn.v"),
+         "mlp_up_bank": ("mlp.up",), "mlp_down_bank": ("mlp.down",)}
+MATRICES = {name: (bank, slot) for bank, names in BANKS.items() for slot, name in enumerate(names)}
+ZERO_INIT = ("attn.o", "mlp.down")  # the reference's init: these start at zero, the others orthogonal
+# The embedding tables: AdamW's token group, bf16 parameters on CUDA (as in the reference), int8 when exported.
+EMBED_TABLES = ("tok_emb.weight", "bigram.embed.weight", "ve.embed.weight")
+
+
+def matrix_shapes(cfg: Hyperparameters) -> dict[str, tuple[int, int]]:
+    D, kv, mlp = cfg.model_dim, cfg.num_kv_heads * cfg.head_dim, int(cfg.mlp_mult * cfg.model_dim)
+    return {"attn.q": (D, D), "attn.o": (D, D), "attn.k": (kv, D), "attn.v": (kv, D), "mlp.up": (mlp, D),
+            "mlp.down": (D, mlp)}
+
+
+def layer_matrix(banks: dict[str, Tensor], name: str, i: int, num_layers: int) -> Tensor:
+    bank, slot = MATRICES[name]
+    return banks[bank][slot * num_layers + i]
+
+
+def orthogonal_(w: Tensor) -> Tensor:
+    return nn.init.orthogonal_(w, gain=1.0)
+
+
+class Block(nn.Module):
+    """Per-layer control tensors; the layer's matrices live in the model's banks."""
+
+    def __init__(self, dim: int, num_heads: int, qk_gain_init: float):
+        super().__init__()
+        self.attn_scale = nn.Parameter(torch.ones(dim))
+        self.mlp_scale = nn.Parameter(torch.ones(dim))
+        self.resid_mix = nn.Parameter(torch.stack((torch.ones(dim), torch.zeros(dim))))  # (x, x0) mix
+        self.q_gain = nn.Parameter(torch.full((num_heads,), qk_gain_init))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: Hyperparameters, attn_backend: str = "math", ops: Ops = TORCH_OPS):
+        super().__init__()
+        L, D, V = cfg.num_layers, cfg.model_dim, cfg.vocab_size
+        kv_dim = cfg.num_kv_heads * cfg.head_dim
+        self.cfg, self.attn_backend, self.ops, self.qat_enabled = cfg, attn_backend, ops, False
+        self.tok_emb = nn.Embedding(V, D)
+        shapes = matrix_shapes(cfg)
+        for bank, names in BANKS.items():
+            setattr(self, bank, nn.Parameter(torch.empty(len(names) * L, *shapes[names[0]])))
+        self.blocks = nn.ModuleList(Block(D, cfg.num_heads, cfg.qk_gain_init) for _ in range(L))
+        rope = rope_tables(max(cfg.train_seq_len, cfg.eval_seq_len), cfg.rope_dims, cfg.rope_base)
+        self.register_buffer("rope_cos", rope[0], persistent=False)  # not in state_dict or the artifact
+        self.register_buffer("rope_sin", rope[1], persistent=False)
+        self.num_encoder = L // 2  # U-Net: first half pushes skips, second half pops them
+        self.skip_weights = nn.Parameter(torch.ones(min(self.num_encoder, L - self.num_encoder), D))
+        if cfg.bigram_vocab_size > 0:  # BigramHash (PR #162 lineage)
+            self.bigram = nn.Module()
+            self.bigram.embed = nn.Embedding(cfg.bigram_vocab_size, cfg.bigram_dim)
+            self.bigram.proj = nn.Linear(cfg.bigram_dim, D, bias=False)
+            self.bigram.scale = nn.Parameter(torch.tensor(0.05))
+        if cfg.smear_enabled:  # SmearGate: per-channel mix with the previous position
+            self.smear_gate = nn.Parameter(torch.zeros(D))
+        if cfg.ve_layer_list:  # value embeddings: token identity re-injected into V of late layers
+            self.ve = nn.Module()
+            self.ve.embed = nn.Embedding(V, cfg.ve_dim)
+            self.ve.proj = nn.Linear(cfg.ve_dim, kv_dim, bias=False)
+            self.ve.scale = nn.Parameter(torch.tensor(0.1))
+            self.ve_layer_scales = nn.Parameter(torch.ones(len(cfg.ve_layer_list)))
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(D, V, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        cfg, L = self.cfg, self.cfg.num_layers
+        nn.init.normal_(self.tok_emb.weight, std=cfg.tied_embed_init_std)
+        banks = dict(self.named_parameters())
+        for i in range(L):  # layer by layer, in MATRICES order: the reference's random stream
+            for name in MATRICES:
+                w = layer_matrix(banks, name, i, L)
+                w.zero_() if name in ZERO_INIT else orthogonal_(w)
+        if cfg.bigram_vocab_size > 0:
+            self.bigram.embed.weight.zero_()
+            self._init_linear(self.bigram.proj.weight)
+        if cfg.ve_layer_list:
+            nn.init.normal_(self.ve.embed.weight, std=0.01)
+            self._init_linear(self.ve.proj.weight)
+        if not cfg.tie_embeddings:
+            self.lm_head.weight.zero_()
+
+    @staticmethod
+    def _init_linear(w: Tensor) -> None:
+        if min(w.shape) >= 64:
+            orthogonal_(w)  # the reference's rule: every other linear >= 64x64 is orthogonal
+        else:
+            nn.init.normal_(w, std=w.shape[1] ** -0.5)
+
+    def bank_weights(self, dtype: torch.dtype) -> dict[str, Tensor]:
+        banks = {bank: getattr(self, bank) for bank in BANKS}
+        if self.qat_enabled and self.training:  # scoring always sees the float weights
+            banks = {k: fake_quant_int6(b, self.cfg.int6_scale_floor) for k, b in banks.items()}
+        return {k: b.to(dtype) for k, b in banks.items()}
+
+    def embed(self, ids_BT: Tensor) -> Tensor:
+        x = self.tok_emb(ids_BT)
+        if self.cfg.bigram_vocab_size > 0:
+            # hash(prev, cur) into buckets-1 slots; position 0 (no previous token) uses the last slot
+            t = ids_BT.to(torch.int32)
+            mod = self.cfg.bigram_vocab_size - 1
+            h = torch.bitwise_xor(36313 * t[:, 1:], 27191 * t[:, :-1]) % mod
+            h = torch.cat((torch.full_like(t[:, :1], mod), h), dim=1).long()
+            b = self.bigram.proj(self.bigram.embed(h))
+            x = x + b * self.bigram.scale.to(b.dtype)
+        x = rms_norm(x)
+        if self.cfg.smear_enabled:
+            g = torch.sigmoid(self.smear_gate.to(x.dtype))
+            x = (1 - g) * x + g * F.pad(x[:, :-1], (0, 0, 1, 0))
+        return x
+
+    def hidden(self, ids_BT: Tensor) -> Tensor:
+        cfg, L = self.cfg, self.cfg.num_layers
+        x = self.embed(ids_BT)
+        x0, skips = x, []
+        dtype = torch.bfloat16 if torch.is_autocast_enabled(x.device.type) else x.dtype
+        banks = self.bank_weights(dtype)
+        ve_BTK = None
+        if cfg.ve_layer_list:
+            ve_BTK = self.ve.proj(self.ve.embed(ids_BT))
+            ve_BTK = ve_BTK * self.ve.scale.to(ve_BTK.dtype)
+        B, T, _ = x.shape
+        if T > self.rope_cos.size(0):
+            raise ValueError(f"sequence length {T} > max(TRAIN_SEQ_LEN, EVAL_SEQ_LEN) = {self.rope_cos.size(0)}")
+        H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        for i, blk in enumerate(self.blocks):
+            w = {name: layer_matrix(banks, name, i, L) for name in MATRICES}
+            if i >= self.num_encoder and skips:
+                x = x + self.skip_weights[i - self.num_encoder].to(x.dtype) * skips.pop()
+            ln = 1.0 / math.sqrt(i + 1) if cfg.ln_scale else 1.0
+            mix = blk.resid_mix.to(x.dtype)
+            x = mix[0] * x + mix[1] * x0
+            h = rms_norm(x) * ln
+            # one GEMM for q|k|v (1.6-1.9 ms per record step less than three, in three same-call A/Bs)
+            qkv = F.linear(h, torch.cat((w["attn.q"], w["attn.k"], w["attn.v"])))
+            q = qkv[..., :H * hd].view(B, T, H, hd)
+            k = qkv[..., H * hd:(H + K) * hd].view(B, T, K, hd)
+            v = qkv[..., (H + K) * hd:]
+            if i in cfg.ve_layer_list:
+                v = v + ve_BTK * self.ve_layer_scales[cfg.ve_layer_list.index(i)].to(v.dtype)
+            v = v.view(B, T, K, hd)
+            q = self.ops.qk_norm_rope(q, self.rope_cos, self.rope_sin, blk.q_gain)
+            k = self.ops.qk_norm_rope(k, self.rope_cos, self.rope_sin, None)
+            y = attention(q, k, v, self.attn_backend)
+            if i >= L - cfg.xsa_last_n:
+                y = self.ops.xsa(y, v)
+            x = x + blk.attn_scale.to(x.dtype) * F.linear(y.reshape(B, T, H * hd), w["attn.o"])
+            u = F.linear(rms_norm(x) * ln, w["mlp.up"])
+            u = F.leaky_relu(u, cfg.mlp_negative_slope) if cfg.mlp_negative_slope > 0 else F.relu(u)
+            x = x + blk.mlp_scale.to(x.dtype) * F.linear(u.square(), w["mlp.down"])
+            if i < self.num_encoder:
+                skips.append(x)
+        return rms_norm(x)
+
+    def raw_logits(self, ids_BT: Tensor) -> Tensor:
+        w = self.tok_emb.weight if self.cfg.tie_embeddings else self.lm_head.weight
+        return F.linear(self.hidden(ids_BT), w)
+
+    def logits(self, ids_BT: Tensor) -> Tensor:
+        return softcap(self.raw_logits(ids_BT), self.cfg.logit_softcap)
+
+    def forward(self, ids_BT: Tensor, targets_BT: Tensor) -> Tensor:
+        """Mean training loss."""
+        return self.ops.loss(self.raw_logits(ids_BT).flatten(0, 1), targets_BT.flatten(), self.cfg.logit_softcap)
+
+
+# =============================================================================================
+# Kernels: the Ops above as Triton kernels (optional; KERNELS=triton, the default on CUDA)
+# =============================================================================================
+# Each op is a torch.library.triton_op with its backward registered: inductor traces into it and launches
+# the kernels from its own code (no dispatcher or Python launcher per call). On the CPU they run in Triton's
+# interpreter (TRITON_INTERPRET=1), which is how the tests compare them with the PyTorch ops.
 
 # One Triton kernel each way for q/k RMSNorm + RoPE + gain. Inductor's fusion of these ops stored the
 # pre-gain tensor for the gain's gradient and read it back in a separate reduction: 39 ms of a 566 ms
@@ -756,12 +1105,6 @@ def qk_norm_rope_reference(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_
 # Rows are (token, head) pairs. The forward loads each row as three parts (the two rotated halves and
 # the rest): 78 us per record layer (q and k calls) vs 85 with the backward's way, which loads the
 # rotated channels' partners a second time; the backward that way takes 128 us, three parts 146.
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
 if triton is not None:
     @triton.jit
     def _qk_cols(rows, n_rows, T, H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, BF: tl.constexpr,
@@ -906,26 +1249,6 @@ def _qk_backward(ctx, dy):
 
 
 qk_norm_rope.register_autograd(_qk_backward, setup_context=_save_inputs)
-
-
-def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str) -> Tensor:
-    """Causal GQA attention, (B,T,H,D) in and out."""
-    if backend == "fa3":
-        from flash_attn_interface import flash_attn_func  # FlashAttention-3 (Hopper), optional
-        y = flash_attn_func(q_BTHD, k_BTKD, v_BTKD, causal=True)
-        return y[0] if isinstance(y, tuple) else y
-    q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTKD, v_BTKD))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
-
-
-def exclusive_self_attention_reference(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
-    """XSA (PR #265 lineage): remove from each head's output its component along its own token's
-    normalised value vector, so attention carries context rather than the token itself."""
-    B, T, H, D = y_BTHD.shape
-    K = v_BTKD.size(2)
-    y = y_BTHD.reshape(B, T, K, H // K, D)
-    vn = F.normalize(v_BTKD, dim=-1).unsqueeze(-2)
-    return (y - (y * vn).sum(-1, keepdim=True) * vn).reshape(B, T, H, D)
 
 
 # XSA in one Triton kernel each way. Inductor's fusion wrote the normalised v in fp32 and kept it for the
@@ -1125,286 +1448,23 @@ def softcap_cross_entropy(logits_NV: Tensor, targets_N: Tensor, cap: float) -> T
     target must be a class index (no ignore_index)."""
     return _softcap_ce(logits_NV, targets_N, cap)[0]
 
-
-def fake_quant_int6(w: Tensor, floor: float) -> Tensor:
-    """Straight-through int6 fake quantisation with per-row (last dim) max scaling, as exported."""
-    scale = (w.detach().abs().amax(dim=-1, keepdim=True) / 31.0).clamp_min(floor)
-    q = torch.clamp(torch.round(w.detach() / scale), -31, 31) * scale
-    return w + (q - w).detach()
+TRITON_OPS = Ops(qk_norm_rope, exclusive_self_attention, lambda logits_NV, targets_N, cap:
+                 softcap_cross_entropy(logits_NV, targets_N, cap).mean()) if triton is not None else None
 
 
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
-
-
-def fp8_rowwise(t_MK: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row e4m3 quantisation: (values (M,K) fp8, scales (M,1) fp32) with t ~= values * scales."""
-    scale = t_MK.detach().abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) / FP8_MAX  # floor: zero rows
-    return (t_MK / scale).to(torch.float8_e4m3fn), scale
-
-
-class FP8Linear(torch.autograd.Function):
-    """F.linear with x (per token) and w (per output row) rounded to e4m3 in the forward; the backward
-    is the plain matmul pair on the unrounded x, w (bf16 on CUDA): straight-through."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w_NK: Tensor) -> Tensor:
-        ctx.save_for_backward(x, w_NK)
-        (xq, sx), (wq, sw) = fp8_rowwise(x.reshape(-1, x.size(-1))), fp8_rowwise(w_NK)
-        # CUDA wants wq column-major (wq.t() of the row-major (N,K) copy is) and dims divisible by 16
-        y = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.t(), out_dtype=x.dtype)
-        return y.view(*x.shape[:-1], -1)
-
-    @staticmethod
-    def backward(ctx, g: Tensor) -> tuple[Tensor, Tensor]:
-        x, w_NK = ctx.saved_tensors
-        g_MN = g.reshape(-1, g.size(-1))
-        return (g_MN @ w_NK).view(x.shape), g_MN.t() @ x.reshape(-1, x.size(-1))
-
-
-def fp8_linear(x: Tensor, w: Tensor) -> Tensor:
-    return FP8Linear.apply(x.to(w.dtype), w)  # x in the weights' compute dtype (bf16 under CUDA autocast)
-
-
-def orthogonal_(w: Tensor) -> Tensor:
-    return nn.init.orthogonal_(w, gain=1.0)
-
-
-class Block(nn.Module):
-    """Per-layer control tensors; the layer's matrices live in the model's banks."""
-
-    def __init__(self, dim: int, num_heads: int, qk_gain_init: float):
-        super().__init__()
-        self.attn_scale = nn.Parameter(torch.ones(dim))
-        self.mlp_scale = nn.Parameter(torch.ones(dim))
-        self.resid_mix = nn.Parameter(torch.stack((torch.ones(dim), torch.zeros(dim))))  # (x, x0) mix
-        self.q_gain = nn.Parameter(torch.full((num_heads,), qk_gain_init))
-
-
-class GPT(nn.Module):
-    def __init__(self, cfg: Hyperparameters, attn_backend: str = "math", kernels: str = "torch"):
-        super().__init__()
-        L, D, V = cfg.num_layers, cfg.model_dim, cfg.vocab_size
-        kv_dim, mlp_dim = cfg.num_kv_heads * cfg.head_dim, int(cfg.mlp_mult * D)
-        self.cfg, self.attn_backend, self.qat_enabled = cfg, attn_backend, False
-        self.kernels = kernels
-        self.tok_emb = nn.Embedding(V, D)
-        # Banks (PR #399): one 3-D parameter per matrix kind so Muon orthogonalises them batched.
-        self.qo_bank = nn.Parameter(torch.empty(2 * L, D, D))  # [0,L): Q, [L,2L): attention out
-        self.kv_bank = nn.Parameter(torch.empty(2 * L, kv_dim, D))  # [0,L): K, [L,2L): V
-        self.mlp_up_bank = nn.Parameter(torch.empty(L, mlp_dim, D))
-        self.mlp_down_bank = nn.Parameter(torch.empty(L, D, mlp_dim))
-        self.blocks = nn.ModuleList(Block(D, cfg.num_heads, cfg.qk_gain_init) for _ in range(L))
-        rope = rope_tables(max(cfg.train_seq_len, cfg.eval_seq_len), cfg.rope_dims, cfg.rope_base)
-        self.register_buffer("rope_cos", rope[0], persistent=False)  # not in state_dict or the artifact
-        self.register_buffer("rope_sin", rope[1], persistent=False)
-        self.num_encoder = L // 2  # U-Net: first half pushes skips, second half pops them
-        self.skip_weights = nn.Parameter(torch.ones(min(self.num_encoder, L - self.num_encoder), D))
-        if cfg.bigram_vocab_size > 0:  # BigramHash (PR #162 lineage)
-            self.bigram = nn.Module()
-            self.bigram.embed = nn.Embedding(cfg.bigram_vocab_size, cfg.bigram_dim)
-            self.bigram.proj = nn.Linear(cfg.bigram_dim, D, bias=False)
-            self.bigram.scale = nn.Parameter(torch.tensor(0.05))
-        if cfg.smear_enabled:  # SmearGate: per-channel mix with the previous position
-            self.smear_gate = nn.Parameter(torch.zeros(D))
-        if cfg.ve_layer_list:  # value embeddings: token identity re-injected into V of late layers
-            self.ve = nn.Module()
-            self.ve.embed = nn.Embedding(V, cfg.ve_dim)
-            self.ve.proj = nn.Linear(cfg.ve_dim, kv_dim, bias=False)
-            self.ve.scale = nn.Parameter(torch.tensor(0.1))
-            self.ve_layer_scales = nn.Parameter(torch.ones(len(cfg.ve_layer_list)))
-        if not cfg.tie_embeddings:
-            self.lm_head = nn.Linear(D, V, bias=False)
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        cfg, L = self.cfg, self.cfg.num_layers
-        nn.init.normal_(self.tok_emb.weight, std=cfg.tied_embed_init_std)
-        for i in range(L):  # Q, K, V, MLP up orthogonal; attention out and MLP down zero
-            orthogonal_(self.qo_bank[i]), orthogonal_(self.kv_bank[i]), orthogonal_(self.kv_bank[L + i])
-            orthogonal_(self.mlp_up_bank[i])
-        self.qo_bank[L:].zero_()
-        self.mlp_down_bank.zero_()
-        if cfg.bigram_vocab_size > 0:
-            self.bigram.embed.weight.zero_()
-            self._init_linear(self.bigram.proj.weight)
-        if cfg.ve_layer_list:
-            nn.init.normal_(self.ve.embed.weight, std=0.01)
-            self._init_linear(self.ve.proj.weight)
-        if not cfg.tie_embeddings:
-            self.lm_head.weight.zero_()
-
-    @staticmethod
-    def _init_linear(w: Tensor) -> None:
-        if min(w.shape) >= 64:
-            orthogonal_(w)  # the reference's rule: every other linear >= 64x64 is orthogonal
-        else:
-            nn.init.normal_(w, std=w.shape[1] ** -0.5)
-
-    def bank_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        banks = (self.qo_bank, self.kv_bank, self.mlp_up_bank, self.mlp_down_bank)
-        if self.qat_enabled and self.training:  # scoring always sees the float weights
-            banks = tuple(fake_quant_int6(b, self.cfg.int6_scale_floor) for b in banks)
-        return tuple(b.to(dtype) for b in banks)
-
-    def embed(self, ids_BT: Tensor) -> Tensor:
-        x = self.tok_emb(ids_BT)
-        if self.cfg.bigram_vocab_size > 0:
-            # hash(prev, cur) into buckets-1 slots; position 0 (no previous token) uses the last slot
-            t = ids_BT.to(torch.int32)
-            mod = self.cfg.bigram_vocab_size - 1
-            h = torch.bitwise_xor(36313 * t[:, 1:], 27191 * t[:, :-1]) % mod
-            h = torch.cat((torch.full_like(t[:, :1], mod), h), dim=1).long()
-            b = self.bigram.proj(self.bigram.embed(h))
-            x = x + b * self.bigram.scale.to(b.dtype)
-        x = rms_norm(x)
-        if self.cfg.smear_enabled:
-            g = torch.sigmoid(self.smear_gate.to(x.dtype))
-            x = (1 - g) * x + g * F.pad(x[:, :-1], (0, 0, 1, 0))
-        return x
-
-    def hidden(self, ids_BT: Tensor) -> Tensor:
-        cfg, L = self.cfg, self.cfg.num_layers
-        x = self.embed(ids_BT)
-        x0, skips = x, []
-        dtype = torch.bfloat16 if torch.is_autocast_enabled(x.device.type) else x.dtype
-        qo, kv, up, down = self.bank_weights(dtype)
-        # FP8 only for plain training steps: scoring/TTT stay bf16, late QAT sees exactly the int6 grid
-        linear = fp8_linear if cfg.fp8_enabled and self.training and not self.qat_enabled else F.linear
-        ve_BTK = None
-        if cfg.ve_layer_list:
-            ve_BTK = self.ve.proj(self.ve.embed(ids_BT))
-            ve_BTK = ve_BTK * self.ve.scale.to(ve_BTK.dtype)
-        B, T, _ = x.shape
-        if T > self.rope_cos.size(0):
-            raise ValueError(f"sequence length {T} > max(TRAIN_SEQ_LEN, EVAL_SEQ_LEN) = {self.rope_cos.size(0)}")
-        H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        triton_kernels = self.kernels == "triton"
-        qk_fn = qk_norm_rope if triton_kernels else qk_norm_rope_reference
-        xsa_fn = exclusive_self_attention if triton_kernels else exclusive_self_attention_reference
-        for i, blk in enumerate(self.blocks):
-            if i >= self.num_encoder and skips:
-                x = x + self.skip_weights[i - self.num_encoder].to(x.dtype) * skips.pop()
-            ln = 1.0 / math.sqrt(i + 1) if cfg.ln_scale else 1.0
-            mix = blk.resid_mix.to(x.dtype)
-            x = mix[0] * x + mix[1] * x0
-            h = rms_norm(x) * ln
-            # one GEMM for q|k|v (1.6-1.9 ms per record step less than three, in three same-call A/Bs)
-            qkv = linear(h, torch.cat((qo[i], kv[i], kv[L + i])))
-            q = qkv[..., :H * hd].view(B, T, H, hd)
-            k = qkv[..., H * hd:(H + K) * hd].view(B, T, K, hd)
-            v = qkv[..., (H + K) * hd:]
-            if i in cfg.ve_layer_list:
-                v = v + ve_BTK * self.ve_layer_scales[cfg.ve_layer_list.index(i)].to(v.dtype)
-            v = v.view(B, T, K, hd)
-            q = qk_fn(q, self.rope_cos, self.rope_sin, blk.q_gain)
-            k = qk_fn(k, self.rope_cos, self.rope_sin, None)
-            y = attention(q, k, v, self.attn_backend)
-            if i >= L - cfg.xsa_last_n:
-                y = xsa_fn(y, v)
-            x = x + blk.attn_scale.to(x.dtype) * linear(y.reshape(B, T, H * hd), qo[L + i])
-            u = linear(rms_norm(x) * ln, up[i])
-            u = F.leaky_relu(u, cfg.mlp_negative_slope) if cfg.mlp_negative_slope > 0 else F.relu(u)
-            x = x + blk.mlp_scale.to(x.dtype) * linear(u.square(), down[i])
-            if i < self.num_encoder:
-                skips.append(x)
-        return rms_norm(x)
-
-    def raw_logits(self, ids_BT: Tensor) -> Tensor:
-        w = self.tok_emb.weight if self.cfg.tie_embeddings else self.lm_head.weight
-        return F.linear(self.hidden(ids_BT), w)
-
-    def logits(self, ids_BT: Tensor) -> Tensor:
-        logits, c = self.raw_logits(ids_BT), self.cfg.logit_softcap
-        return c * torch.tanh(logits / c) if c > 0 else logits
-
-    def forward(self, ids_BT: Tensor, targets_BT: Tensor) -> Tensor:
-        if self.kernels == "triton":
-            logits = self.raw_logits(ids_BT)
-            return softcap_cross_entropy(logits.flatten(0, 1), targets_BT.flatten(), self.cfg.logit_softcap).mean()
-        logits = self.logits(ids_BT)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets_BT.flatten())
-
-
-def resolve_attn_backend(cfg: Hyperparameters, device: torch.device) -> str:
-    if cfg.attn_backend != "auto":
-        if cfg.attn_backend in ("fa3", "flash", "cudnn") and device.type != "cuda":
-            raise ValueError(f"ATTN_BACKEND={cfg.attn_backend} needs CUDA")
-        return cfg.attn_backend
-    if device.type != "cuda":
-        return "math"
-    import importlib.util
-    # cuDNN SDPA (native GQA) ran fwd+bwd in 2.40 ms vs 3.71 ms for SDPA flash at the record
-    # micro-batch on an H200 (torch 2.11): 115 ms of a 717 ms step.
-    return "fa3" if importlib.util.find_spec("flash_attn_interface") else "cudnn"
-
-
-def resolve_kernels(cfg: Hyperparameters, device: torch.device) -> str:
-    if cfg.kernels == "triton" and triton is None:
-        raise ValueError("KERNELS=triton needs the triton package")
-    if cfg.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("KERNELS=triton off CUDA needs TRITON_INTERPRET=1 (Triton's interpreter)")
-    if cfg.kernels != "auto":
-        return cfg.kernels
-    return "triton" if device.type == "cuda" and triton is not None else "torch"
-
-
-def resolve_cuda_graphs(cfg: Hyperparameters, device: torch.device) -> bool:
-    if cfg.cuda_graphs == "1" and device.type != "cuda":
-        raise ValueError("CUDA_GRAPHS=1 needs CUDA")
-    return cfg.cuda_graphs == "1" or (cfg.cuda_graphs == "auto" and device.type == "cuda")
-
-
-def resolve_compile(cfg: Hyperparameters, device: torch.device) -> bool:
-    return cfg.compile_enabled == "1" or (cfg.compile_enabled == "auto" and device.type == "cuda")
-
-
-def configure_cuda(backend: str) -> None:
-    """Pin PyTorch SDPA to one kernel so a silent fallback cannot change speed. Inductor's mix-order
-    reductions (the per-channel scale gradients summed inside the rms_norm backward that reads the same
-    rows) only with multi-stage pipelining, unless TORCHINDUCTOR_MIX_ORDER_REDUCTION is set; with
-    TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES=0 they are off (torch 2.11, H200, record step):
-    single-stage they were latency-bound (3.7 ms for 0.3 ms of bytes; 604 vs 583 ms off); multi-stage,
-    1.8 ms less than off (three alternating pairs, 551.5 vs 553.3 ms), +288 MiB."""
-    import torch._inductor.config as inductor_config
-    cfg = inductor_config.triton
-    if "TORCHINDUCTOR_MIX_ORDER_REDUCTION" not in os.environ and hasattr(cfg, "mix_order_reduction"):
-        multi = hasattr(cfg, "mix_order_reduction_allow_multi_stages")
-        if multi and "TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES" not in os.environ:
-            cfg.mix_order_reduction_allow_multi_stages = True
-        cfg.mix_order_reduction = multi and cfg.mix_order_reduction_allow_multi_stages
-    if not torch.cuda.is_available():
-        return
-    b = torch.backends.cuda
-    b.enable_flash_sdp(backend == "flash")
-    b.enable_cudnn_sdp(backend == "cudnn")
-    b.enable_mem_efficient_sdp(False)
-    b.enable_math_sdp(backend == "math")
-
-
-def build_model(cfg: Hyperparameters, device: torch.device, attn_backend: str) -> GPT:
+def build_model(cfg: Hyperparameters, rt: Runtime) -> GPT:
     """The one constructor for training and scoring models. Banks, linears and control tensors are
-    fp32; on CUDA the three embedding tables are bf16 parameters as in the reference."""
-    if cfg.fp8_enabled and device.type == "cuda":
-        if torch.cuda.get_device_capability(device) < (8, 9):
-            raise ValueError("FP8_ENABLED=1 needs CUDA compute capability >= 8.9 (Ada, Hopper) or the CPU")
-        dims = (cfg.model_dim, cfg.num_kv_heads * cfg.head_dim, int(cfg.mlp_mult * cfg.model_dim))
-        if any(n % 16 for n in dims):
-            raise ValueError(f"FP8_ENABLED=1 on CUDA needs bank dims divisible by 16, got {dims}")
-    model = GPT(cfg, attn_backend, resolve_kernels(cfg, device)).to(device)
-    if device.type == "cuda":
+    fp32; on CUDA the embedding tables are bf16 parameters as in the reference."""
+    model = GPT(cfg, rt.attn_backend, TRITON_OPS if rt.kernels == "triton" else TORCH_OPS).to(rt.device)
+    if rt.device.type == "cuda":
         for name, p in model.named_parameters():
-            if name.endswith("embed.weight") or name == "tok_emb.weight":
+            if name in EMBED_TABLES:
                 p.data = p.data.bfloat16()
     return model
 
 
-def autocast(device: torch.device):
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
 # =============================================================================================
-# Eval + bpb: exact sliding-window scoring
+# Scoring: exact sliding-window val_bpb
 # =============================================================================================
 
 def build_byte_luts(sp, vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
@@ -1456,47 +1516,59 @@ class Score:
     compile_ms: float
 
 
-class Scorer:
-    """Scores a model on the validation tokens: windows batched, split across ranks, sums in float64."""
+def loss_and_bpb(sums: list[float]) -> tuple[float, float]:
+    """(mean nll in nats, bits per byte) from summed (nll, tokens, bytes): val_bpb = loss / ln 2 * tokens / bytes."""
+    nll, ntok, nbytes = sums
+    loss = nll / ntok
+    return loss, loss / math.log(2) * ntok / nbytes
 
-    def __init__(self, cfg: Hyperparameters, d: Dist, tokens: Tensor, luts, batch_seqs: int, compile_enabled: bool):
-        self.cfg, self.d, self.luts, self.compile_enabled = cfg, d, luts, compile_enabled
-        self.tokens = tokens.to(d.device)
-        self.batch_seqs = batch_seqs
+
+class Scorer:
+    """Scores a model on the validation tokens: windows batched, split across ranks, sums in float64.
+    Its public interface (tokens, windows, prepare, rows, score_windows) is also what legal TTT uses."""
+
+    def __init__(self, cfg: Hyperparameters, rt: Runtime, tokens: Tensor, luts):
+        self.cfg, self.rt, self.luts = cfg, rt, luts
+        self.tokens = tokens.to(rt.device)
+        self.batch_seqs = max(1, cfg.val_batch_size // (rt.world_size * rt.grad_accum * cfg.eval_seq_len))
 
     def windows(self, stride: int) -> Tensor:
         return torch.tensor(sliding_windows(self.tokens.numel() - 1, self.cfg.eval_seq_len, stride),
-                            dtype=torch.int64, device=self.d.device).view(-1, 3)
+                            dtype=torch.int64, device=self.rt.device).view(-1, 3)
 
-    def compiled(self, model: GPT):
+    def prepare(self, model: GPT):
         """model.logits, compiled when enabled; returns (fn, compile ms) from one fixed-shape call."""
-        fn = torch.compile(model.logits, dynamic=False, fullgraph=True) if self.compile_enabled else model.logits
-        t0 = _now(self.d.device)
-        with torch.inference_mode(), autocast(self.d.device):
-            fn(torch.zeros(self.batch_seqs, self.cfg.eval_seq_len, dtype=torch.int64, device=self.d.device))
-        return fn, _now(self.d.device) - t0
+        fn = compiled(model.logits, self.rt)
+        t0 = now_ms(self.rt.device)
+        with torch.inference_mode(), autocast(self.rt.device):
+            fn(torch.zeros(self.batch_seqs, self.cfg.eval_seq_len, dtype=torch.int64, device=self.rt.device))
+        return fn, now_ms(self.rt.device) - t0
+
+    def rows(self, starts_B: Tensor, lo_B: Tensor, hi_B: Tensor, length: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Inputs and targets of rows of `length` tokens from starts_B, and the mask of the targets at
+        offsets [lo_B, hi_B) of each row (reads past the last token are clamped and masked out)."""
+        pos = torch.arange(length, device=starts_B.device)
+        idx = (starts_B[:, None] + pos).clamp(max=self.tokens.numel() - 2)
+        mask = (pos >= lo_B[:, None]) & (pos < hi_B[:, None])
+        return self.tokens[idx], self.tokens[idx + 1], mask
 
     @torch.inference_mode()
     def score_windows(self, fn, wins: Tensor) -> Tensor:
         """This rank's contiguous share of `wins` (rows of sliding_windows); returns its (nll, tokens,
         bytes) float64 sums, not yet reduced over ranks."""
-        d, L, B = self.d, self.cfg.eval_seq_len, self.batch_seqs
-        mine = wins[wins.size(0) * d.rank // d.world_size: wins.size(0) * (d.rank + 1) // d.world_size]
+        rt, B = self.rt, self.batch_seqs
+        mine = wins[wins.size(0) * rt.rank // rt.world_size: wins.size(0) * (rt.rank + 1) // rt.world_size]
         base, space, boundary = self.luts
-        pos = torch.arange(L, device=d.device)
-        sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # nll, tokens, bytes
-        last = self.tokens.numel() - 1
+        sums = torch.zeros(3, dtype=torch.float64, device=rt.device)  # nll, tokens, bytes
         for b0 in range(0, mine.size(0), B):
             w = mine[b0: b0 + B]
             pad = B - w.size(0)
             if pad:
                 w = torch.cat((w, w.new_zeros(pad, 3)))  # all-zero rows score nothing
-            idx = (w[:, :1] + pos).clamp(max=last - 1)
-            x, y = self.tokens[idx], self.tokens[idx + 1]
-            mask = (pos >= (w[:, 1:2] - w[:, :1])) & (pos < (w[:, 2:3] - w[:, :1]))
-            with autocast(d.device):
+            x, y, mask = self.rows(w[:, 0], w[:, 1] - w[:, 0], w[:, 2] - w[:, 0], self.cfg.eval_seq_len)
+            with autocast(rt.device):
                 logits = fn(x)
-            nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view(B, L)
+            nll = cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(B, -1)
             nbytes = base[y].double() + (space[y] & ~boundary[x]).double()
             m = mask.double()
             sums += torch.stack(((nll.double() * m).sum(), m.sum(), (nbytes * m).sum()))
@@ -1505,28 +1577,30 @@ class Scorer:
     def __call__(self, model: GPT, stride: int) -> Score:
         was_training = model.training
         model.eval()
-        fn, compile_ms = self.compiled(model)
-        t0 = _now(self.d.device)
+        fn, compile_ms = self.prepare(model)
+        t0 = now_ms(self.rt.device)
         sums = self.score_windows(fn, self.windows(stride))
         all_reduce_sum_(sums)
         model.train(was_training)
-        return make_score(sums, _now(self.d.device) - t0, compile_ms)
+        return make_score(sums, now_ms(self.rt.device) - t0, compile_ms)
 
 
 def make_score(sums: Tensor, time_ms: float, compile_ms: float) -> Score:
-    nll, ntok, nbytes = sums.tolist()
-    loss = nll / ntok
-    return Score(loss, loss / math.log(2) * ntok / nbytes, int(ntok), int(nbytes), time_ms, compile_ms)
+    (loss, bpb), (_, ntok, nbytes) = loss_and_bpb(sums.tolist()), sums.tolist()
+    return Score(loss, bpb, int(ntok), int(nbytes), time_ms, compile_ms)
 
 
-def legal_ttt(cfg: Hyperparameters, d: Dist, model: GPT, scorer: Scorer, log: Logger, on_chunk=None) -> Score:
+# =============================================================================================
+# Legal test-time training: score a chunk, then train on it
+# =============================================================================================
+
+def legal_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log: Logger) -> Score:
     """Score-first test-time training (the later records' legal TTT). The val targets are cut into
     TTT_CHUNK_TOKENS chunks; each chunk is first scored by the sliding-window scorer in inference mode
     (a window belongs to the chunk of its first scored target), then trained on with SGD + momentum
     (cosine lr over chunks, global-norm clip, gradients averaged over ranks). A token's score thus
     depends only on the artifact and earlier tokens; nothing is re-scored; the last chunk is never
-    trained on. TTT_FREEZE_BLOCKS freezes the first blocks (their bank slices and control tensors).
-    on_chunk(k, model), if given, is called right before chunk k is scored (for tests)."""
+    trained on. TTT_FREEZE_BLOCKS freezes the first blocks (their bank slices and control tensors)."""
     T, C, L = cfg.train_seq_len, cfg.ttt_chunk_tokens, cfg.num_layers
     n_targets = scorer.tokens.numel() - 1
     n_chunks = -(-n_targets // C)
@@ -1536,49 +1610,44 @@ def legal_ttt(cfg: Hyperparameters, d: Dist, model: GPT, scorer: Scorer, log: Lo
     params = [p for n, p in model.named_parameters() if not (n.startswith("blocks.") and int(n.split(".")[1]) in frozen)]
     opt = torch.optim.SGD(params, lr=cfg.ttt_lr, momentum=cfg.ttt_momentum)
     model.eval()
-    fn_score, compile_ms = scorer.compiled(model)
-    fn_train = torch.compile(model.logits, dynamic=False, fullgraph=True) if scorer.compile_enabled else model.logits
-    rows = -(-cfg.ttt_batch_seqs // d.world_size)  # fixed per-rank batch shape (padded): one compile
-    pos = torch.arange(T, device=d.device)
-    t0 = _now(d.device)
-    with autocast(d.device):  # compile the training graph (forward + backward) outside the timed loop
-        fn_train(torch.zeros(rows, T, dtype=torch.int64, device=d.device)).float().sum().backward()
+    fn_score, compile_ms = scorer.prepare(model)
+    fn_train = compiled(model.logits, rt)
+    rows = -(-cfg.ttt_batch_seqs // rt.world_size)  # fixed per-rank batch shape (padded): one compile
+    t0 = now_ms(rt.device)
+    with autocast(rt.device):  # compile the training graph (forward + backward) outside the timed loop
+        fn_train(torch.zeros(rows, T, dtype=torch.int64, device=rt.device)).float().sum().backward()
     opt.zero_grad(set_to_none=True)
-    compile_ms += _now(d.device) - t0
-    sums = torch.zeros(3, dtype=torch.float64, device=d.device)
-    t0 = _now(d.device)
+    compile_ms += now_ms(rt.device) - t0
+    sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
+    t0 = now_ms(rt.device)
     for k in range(n_chunks):
-        if on_chunk is not None:
-            on_chunk(k, model)
         sums += scorer.score_windows(fn_score, wins[win_chunk == k])
         if k < n_chunks - 1 and cfg.ttt_epochs > 0:
             for g in opt.param_groups:
                 g["lr"] = cfg.ttt_lr * 0.5 * (1 + math.cos(math.pi * k / max(n_chunks - 1, 1)))
             c1 = min((k + 1) * C, n_targets)
-            starts = torch.arange(k * C, c1, T, device=d.device)
+            starts = torch.arange(k * C, c1, T, device=rt.device)
             for _ in range(cfg.ttt_epochs):
                 for b0 in range(0, starts.numel(), cfg.ttt_batch_seqs):
                     batch = starts[b0: b0 + cfg.ttt_batch_seqs]
                     count = (c1 - batch).clamp(max=T).sum()  # targets in the global batch
-                    a = batch[d.rank::d.world_size]
+                    a = batch[rt.rank::rt.world_size]
                     a = torch.cat((a, a.new_full((rows - a.numel(),), c1)))  # padding rows: no targets
-                    idx = (a[:, None] + pos).clamp(max=n_targets - 1)
-                    mask = pos < (c1 - a[:, None])
+                    x, y, mask = scorer.rows(a, torch.zeros_like(a), c1 - a, T)
                     opt.zero_grad(set_to_none=False)
-                    with autocast(d.device):
-                        logits = fn_train(scorer.tokens[idx])
-                    nll = F.cross_entropy(logits.float().flatten(0, 1), scorer.tokens[idx + 1].flatten(), reduction="none")
+                    with autocast(rt.device):
+                        logits = fn_train(x)
+                    nll = cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
                     # x world_size: the ranks' gradients are averaged, and each holds 1/world of the batch
-                    ((nll.view(rows, T) * mask).sum() * d.world_size / count).backward()
+                    ((nll.view(rows, T) * mask).sum() * rt.world_size / count).backward()
                     ttt_sync_grads(model, params, frozen, L)
                     torch.nn.utils.clip_grad_norm_(params, cfg.ttt_grad_clip)
                     opt.step()
-        if d.is_main and (k + 1) % max(1, n_chunks // 8) == 0:
-            s = sums.tolist()
-            log(f"ttt_chunk:{k + 1}/{n_chunks} rank0_bpb_so_far:{s[0] / s[1] / math.log(2) * s[1] / s[2]:.4f} "
-                f"time:{_now(d.device) - t0:.0f}ms")
+        if rt.is_main and (k + 1) % max(1, n_chunks // 8) == 0:
+            log(f"ttt_chunk:{k + 1}/{n_chunks} rank0_bpb_so_far:{loss_and_bpb(sums.tolist())[1]:.4f} "
+                f"time:{now_ms(rt.device) - t0:.0f}ms")
     all_reduce_sum_(sums)
-    return make_score(sums, _now(d.device) - t0, compile_ms)
+    return make_score(sums, now_ms(rt.device) - t0, compile_ms)
 
 
 @torch.no_grad()
@@ -1588,21 +1657,14 @@ def ttt_sync_grads(model: GPT, params: list[Tensor], frozen: list[int], num_laye
         grads = FlatTensors([p.grad for p in params])
         grads.mean()
         grads.write_back()
-    for bank, slots in (("qo_bank", 2), ("kv_bank", 2), ("mlp_up_bank", 1), ("mlp_down_bank", 1)):
-        g = getattr(model, bank).grad
+    grads = {bank: getattr(model, bank).grad for bank in BANKS}
+    for name in MATRICES:
         for i in frozen:
-            for slot in range(slots):
-                g[slot * num_layers + i].zero_()
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() * 1000.0
+            layer_matrix(grads, name, i, num_layers).zero_()
 
 
 # =============================================================================================
-# Quantization + serialization: int6 banks, int8 tables, fp16 rest; no pickle
+# Export: int6 banks, int8 tables, fp16 rest on the grid of the Model section; no pickle; compressed
 # =============================================================================================
 
 CLIP_QUANTILES = (0.999, 0.9995, 0.9999, 0.99999, 1.0)  # per-row clip candidates, best MSE wins
@@ -1616,28 +1678,25 @@ LZMA_PRESET = 6 | lzma.PRESET_EXTREME
 # COMPRESSOR=fast: the coder is lossless, so a comparison's scores do not depend on it, but xz took 36 s of
 # every PQB run (H200 host, 27.1 MB payload). zstd level 3 took 0.2 s for 12.24 MB against xz's 10.85 MB.
 ZSTD_FAST_LEVEL = 3
-BANK_SLOTS = (  # (bank, slot offset in layers, exported per-layer name)
-    ("qo_bank", 0, "attn.q"), ("qo_bank", 1, "attn.o"), ("kv_bank", 0, "attn.k"), ("kv_bank", 1, "attn.v"),
-    ("mlp_up_bank", 0, "mlp.up"), ("mlp_down_bank", 0, "mlp.down"))
 
 
 def unbank(state: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
     """Banks -> per-layer matrices named blocks.{i}.{attn.q,...}; other tensors pass through."""
-    out = {k: v for k, v in state.items() if not k.endswith("_bank")}
-    for bank, slot, name in BANK_SLOTS:
+    out = {k: v for k, v in state.items() if k not in BANKS}
+    for name in MATRICES:
         for i in range(num_layers):
-            out[f"blocks.{i}.{name}"] = state[bank][slot * num_layers + i]
+            out[f"blocks.{i}.{name}"] = layer_matrix(state, name, i, num_layers)
     return out
 
 
 def rebank(tensors: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
     out = dict(tensors)
-    slots: dict[str, dict[int, Tensor]] = {}
-    for bank, slot, name in BANK_SLOTS:
+    rows: dict[str, dict[int, Tensor]] = {bank: {} for bank in BANKS}
+    for name, (bank, slot) in MATRICES.items():
         for i in range(num_layers):
-            slots.setdefault(bank, {})[slot * num_layers + i] = out.pop(f"blocks.{i}.{name}")
-    for bank, rows in slots.items():
-        out[bank] = torch.stack([rows[j] for j in range(len(rows))])
+            rows[bank][slot * num_layers + i] = out.pop(f"blocks.{i}.{name}")
+    for bank, r in rows.items():
+        out[bank] = torch.stack([r[j] for j in range(len(r))])
     return out
 
 
@@ -1651,9 +1710,8 @@ def quantize_rows(w: Tensor, qmax: int, quantiles: tuple[float, ...], floor: flo
     best = None
     for qt in quantiles:
         clip = a.amax(dim=1) if qt >= 1.0 else per_qt[qt]
-        scale = (clip / qmax).clamp_min(floor).half().float()
-        q = torch.clamp(torch.round(torch.maximum(torch.minimum(w, clip[:, None]), -clip[:, None]) / scale[:, None]),
-                        -qmax, qmax)
+        scale = grid_scale(clip, qmax, floor)
+        q = grid_codes(w, clip, scale, qmax)
         err = (w - q * scale[:, None]).square().mean().item()
         if best is None or err < best[0]:
             best = (err, q.to(torch.int8), scale.half())
@@ -1662,12 +1720,12 @@ def quantize_rows(w: Tensor, qmax: int, quantiles: tuple[float, ...], floor: flo
 
 def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters) -> dict[str, Tensor]:
     out = {}
-    bank_names = {f"blocks.{i}.{n}" for _, _, n in BANK_SLOTS for i in range(cfg.num_layers)}
+    bank_names = {f"blocks.{i}.{n}" for n in MATRICES for i in range(cfg.num_layers)}
     for name, t in unbank(state, cfg.num_layers).items():
         t = t.detach().float().cpu()
         if name in bank_names:
-            out[name + ".q6"], out[name + ".scale"] = quantize_rows(t, 31, CLIP_QUANTILES, cfg.int6_scale_floor)
-        elif t.numel() > KEEP_FLOAT_MAX_NUMEL and t.ndim == 2:  # token / bigram / value-embedding tables
+            out[name + ".q6"], out[name + ".scale"] = quantize_rows(t, INT6_MAX, CLIP_QUANTILES, cfg.int6_scale_floor)
+        elif t.numel() > KEEP_FLOAT_MAX_NUMEL and t.ndim == 2:  # the big tables (EMBED_TABLES, an untied head)
             out[name + ".q8"], out[name + ".scale"] = quantize_rows(t, 127, (INT8_CLIP_QUANTILE,), 1 / 127)
         else:
             out[name + ".f16"] = t.half()
@@ -1783,26 +1841,8 @@ def load_artifact(path: str | Path, template: dict[str, Tensor], num_layers: int
 
 
 # =============================================================================================
-# Training phases
+# Training: EMA, schedule, the step (CUDA graphs), the timed loop
 # =============================================================================================
-
-class Logger:
-    """Rank 0 only: `event key:value` lines to stdout and logs/<RUN_ID>.txt."""
-
-    def __init__(self, run_id: str, enabled: bool):
-        self.enabled = enabled
-        self.path = Path("logs") / f"{run_id}.txt"
-        if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def __call__(self, msg: str, console: bool = True) -> None:
-        if not self.enabled:
-            return
-        if console:
-            print(msg, flush=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(msg + "\n")
-
 
 class EMA:
     """Exponential moving average of all parameters in fp32, applied to the model after training.
@@ -1850,13 +1890,12 @@ class Trainer:
     """Owns model, optimizers and data for the training phases: warmup (then full restore), the timed
     loop with its wallclock cap, and the bookkeeping of losses."""
 
-    def __init__(self, cfg: Hyperparameters, d: Dist, model: GPT, loader: TrainLoader, log: Logger,
-                 grad_accum: int, compile_enabled: bool):
-        self.cfg, self.d, self.model, self.loader, self.log = cfg, d, model, loader, log
-        self.grad_accum = grad_accum
-        self.opt = Optimizers(model, cfg, d)
-        self.fwd = torch.compile(model, dynamic=False, fullgraph=True) if compile_enabled else model
-        self.graphed = self.opt.keep_grads = resolve_cuda_graphs(cfg, d.device)  # graphs accumulate into fixed .grad
+    def __init__(self, cfg: Hyperparameters, rt: Runtime, model: GPT, loader: TrainLoader, log: Logger):
+        self.cfg, self.rt, self.model, self.loader, self.log = cfg, rt, model, loader, log
+        self.grad_accum = rt.grad_accum
+        self.opt = Optimizers(model, cfg, rt)
+        self.fwd = compiled(model, rt)
+        self.graphed = self.opt.keep_grads = rt.cuda_graphs  # graphs accumulate into fixed .grad
         self.graphs: dict[bool, tuple] = {}  # model.qat_enabled -> (graph, static x, static y, static loss)
 
     def fwd_bwd(self, x: Tensor, y: Tensor) -> Tensor:
@@ -1870,7 +1909,7 @@ class Trainer:
         return loss.clone()  # the graph's output is overwritten by the next replay
 
     def _fwd_bwd(self, x: Tensor, y: Tensor) -> Tensor:
-        with autocast(self.d.device):
+        with autocast(self.rt.device):
             loss = self.fwd(x, y)
         (loss / self.grad_accum).backward()
         return loss.detach()
@@ -1904,12 +1943,13 @@ class Trainer:
     def step(self, step: int, lr_scale: float) -> Tensor:
         """One optimizer step over the global batch; returns this rank's mean micro-batch loss."""
         self.opt.set_schedule(lr_scale, muon_momentum_at(self.cfg, step))
-        loss_sum = torch.zeros((), device=self.d.device)
+        loss_sum = torch.zeros((), device=self.rt.device)
         for x, y in self.loader.next_batch():
             loss_sum += self.fwd_bwd(x, y)
         self.loader.prefetch()  # host work while the GPU runs the micro-batches
-        self.opt.step()
-        self.opt.zero_grad()
+        with torch.profiler.record_function("optimizer"):  # tools/bench_gpu.py --profile finds its kernels by it
+            self.opt.step()
+            self.opt.zero_grad()
         return loss_sum / self.grad_accum
 
     def warmup(self) -> None:
@@ -1935,33 +1975,33 @@ class Trainer:
     def mean_loss(self, loss: Tensor) -> float:
         t = loss.detach().double().reshape(1)
         all_reduce_sum_(t)
-        return t.item() / self.d.world_size
+        return t.item() / self.rt.world_size
 
     def train(self, scorer: Scorer, ema: EMA | None) -> tuple[int, float]:
-        cfg, d, log = self.cfg, self.d, self.log
+        cfg, rt, log = self.cfg, self.rt, self.log
         cap_ms = 1000.0 * cfg.max_wallclock_seconds
         recent_ms: list[float] = []  # durations of whole iterations (logging included, val excluded)
-        first_bad = torch.full((), -1, dtype=torch.int64, device=d.device)  # first non-finite loss step
-        step, train_ms, t0 = 0, 0.0, _now(d.device)
+        first_bad = torch.full((), -1, dtype=torch.int64, device=rt.device)  # first non-finite loss step
+        step, train_ms, t0 = 0, 0.0, now_ms(rt.device)
         progress = 0.0  # fraction of the run done, by iteration or (capped) by the agreed clock
         t_prev = None  # start of the previous iteration; one host sync per iteration when capped
         while step < cfg.iterations:
             if cfg.val_loss_every > 0 and step > 0 and step % cfg.val_loss_every == 0:
-                train_ms += _now(d.device) - t0
+                train_ms += now_ms(rt.device) - t0
                 s = scorer(self.model, cfg.eval_seq_len)
                 log(f"step:{step}/{cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} "
                     f"train_time:{train_ms:.0f}ms step_avg:{train_ms / step:.2f}ms")
-                t0, t_prev = _now(d.device), None
+                t0, t_prev = now_ms(rt.device), None
             elapsed = 0.0
             if cap_ms > 0:  # a step starts only if its predicted end fits
-                t_iter = _now(d.device)
+                t_iter = now_ms(rt.device)
                 if t_prev is not None:
                     recent_ms.append(t_iter - t_prev)
                 t_prev = t_iter
                 # all ranks agree on the clock, so they agree on stopping, lr scale and the QAT switch
                 elapsed, predicted = all_reduce_max(
                     [train_ms + t_iter - t0, train_ms + t_iter - t0 + (max(recent_ms[-10:]) if recent_ms else 0.0)],
-                    d.device)
+                    rt.device)
                 if predicted > cap_ms:
                     log(f"stopping_early: wallclock_cap train_time:{elapsed:.0f}ms step:{step}/{cfg.iterations}")
                     break
@@ -1981,10 +2021,10 @@ class Trainer:
             if cfg.train_log_every > 0 and (step <= 10 or step % cfg.train_log_every == 0):
                 self.check_finite(first_bad)
                 mean = self.mean_loss(loss)
-                now = train_ms + _now(d.device) - t0
+                now = train_ms + now_ms(rt.device) - t0
                 log(f"step:{step}/{cfg.iterations} train_loss:{mean:.4f} train_time:{now:.0f}ms "
                     f"step_avg:{now / step:.2f}ms")
-        train_ms += _now(d.device) - t0
+        train_ms += now_ms(rt.device) - t0
         self.check_finite(first_bad)
         self.release_graphs()
         return step, train_ms
@@ -1999,23 +2039,23 @@ class Trainer:
 
     def check_finite(self, first_bad: Tensor) -> None:
         local = float(first_bad.item())
-        bad = -all_reduce_max(-local if local >= 0 else -math.inf, self.d.device)  # earliest over ranks
+        bad = -all_reduce_max(-local if local >= 0 else -math.inf, self.rt.device)  # earliest over ranks
         if bad < math.inf:
             raise FloatingPointError(f"non-finite training loss at step {int(bad)}")
 
 
-def log_header(log: Logger, cfg: Hyperparameters, d: Dist, warnings: list[str], code: str) -> None:
+def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[str], code: str) -> None:
     log("==== source: train_gpt.py ====", console=False)
     log(code, console=False)
     log("==== end source ====", console=False)
     log(f"versions python:{platform.python_version()} torch:{torch.__version__} numpy:{np.__version__} "
         f"platform:{platform.platform()}")
-    if d.device.type == "cuda":
-        p = torch.cuda.get_device_properties(d.device)
+    if rt.device.type == "cuda":
+        p = torch.cuda.get_device_properties(rt.device)
         log(f"device name:{p.name.replace(' ', '_')} memory_mib:{p.total_memory // 2**20} count:{torch.cuda.device_count()}")
     else:
         log(f"device name:cpu threads:{torch.get_num_threads()}")
-    log(f"world_size:{d.world_size}")
+    log(f"world_size:{rt.world_size}")
     for f in sorted(fields(cfg), key=lambda f: f.name):
         log(f"setting {f.name}:{getattr(cfg, f.name)}", console=False)
     for w in warnings:
@@ -2038,32 +2078,22 @@ SIZE_LIMIT_BYTES = 16_000_000
 def main() -> int:
     code = Path(__file__).read_text(encoding="utf-8")
     cfg, warnings = Hyperparameters.from_env()
-    d = init_distributed(cfg)
-    log = Logger(cfg.run_id, d.is_main)
-    log_header(log, cfg, d, warnings, code)
+    rt = init_runtime(cfg)
+    log = Logger(cfg.run_id, rt.is_main)
+    log_header(log, cfg, rt, warnings, code)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
-    if d.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    attn_backend = resolve_attn_backend(cfg, d.device)
-    configure_cuda(attn_backend)
-    compile_enabled = resolve_compile(cfg, d.device)
-    grad_accum = resolve_grad_accum(cfg, d.world_size)
-    log(f"layout world_size:{d.world_size} grad_accum_steps:{grad_accum} attn_backend:{attn_backend} "
-        f"kernels:{resolve_kernels(cfg, d.device)} compile:{int(compile_enabled)} "
-        f"cuda_graphs:{int(resolve_cuda_graphs(cfg, d.device))}")
+    log(rt.describe())
 
     import sentencepiece as spm
     if not Path(cfg.tokenizer_path).is_file():
         raise FileNotFoundError(f"TOKENIZER_PATH {cfg.tokenizer_path} does not exist")
-    luts = build_byte_luts(spm.SentencePieceProcessor(model_file=cfg.tokenizer_path), cfg.vocab_size, d.device)
+    luts = build_byte_luts(spm.SentencePieceProcessor(model_file=cfg.tokenizer_path), cfg.vocab_size, rt.device)
     val_tokens = load_tokens(shard_files(cfg.data_path, "val"), cfg.vocab_size)
-    batch_seqs = max(1, cfg.val_batch_size // (d.world_size * grad_accum * cfg.eval_seq_len))
-    scorer = Scorer(cfg, d, val_tokens, luts, batch_seqs, compile_enabled)
-    log(f"val_tokens:{val_tokens.numel()} scored_targets:{val_tokens.numel() - 1} eval_batch_seqs:{batch_seqs}")
+    scorer = Scorer(cfg, rt, val_tokens, luts)
+    log(f"val_tokens:{val_tokens.numel()} scored_targets:{val_tokens.numel() - 1} eval_batch_seqs:{scorer.batch_seqs}")
 
-    model = build_model(cfg, d.device, attn_backend)
+    model = build_model(cfg, rt)
     log(f"model_params:{sum(p.numel() for p in model.parameters())}")
     artifact = Path(cfg.eval_only or cfg.artifact_path)
     if not cfg.eval_only:
@@ -2071,13 +2101,13 @@ def main() -> int:
         tokens = sum(shard_token_count(f) for f in files)  # token ranges are checked when a shard is opened
         log(f"train_data shards:{len(files)} tokens:{tokens} epochs_at_max_iterations:"
             f"{cfg.iterations * cfg.train_batch_tokens / max(tokens, 1):.2f} sampling:{cfg.train_sampling}")
-        loader = TrainLoader(files, cfg, d, grad_accum)
-        trainer = Trainer(cfg, d, model, loader, log, grad_accum, compile_enabled)
+        loader = TrainLoader(files, cfg, rt)
+        trainer = Trainer(cfg, rt, model, loader, log)
         trainer.warmup()
         ema = EMA(model, cfg.ema_horizon, cfg.ema_decay) if cfg.ema_enabled else None
         steps, train_ms = trainer.train(scorer, ema)
         log(f"train_done steps:{steps} train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms")
-        if d.device.type == "cuda":
+        if rt.device.type == "cuda":
             log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
                 f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
         s = scorer(model, cfg.eval_seq_len)
@@ -2087,7 +2117,7 @@ def main() -> int:
         if ema is not None:
             ema.copy_to_model()
             log_score(log, "post_ema", scorer(model, cfg.eval_seq_len))
-        if d.is_main:
+        if rt.is_main:
             t0 = time.perf_counter()
             blob, method = compress(pack_tensors(quantize_state(model.state_dict(), cfg)), cfg.compressor)
             artifact.write_bytes(blob)
@@ -2103,12 +2133,12 @@ def main() -> int:
     log(f"code_bytes:{code_bytes}")
     log(f"Total submission size int6+{method}: {total} bytes limit:{SIZE_LIMIT_BYTES} headroom:{SIZE_LIMIT_BYTES - total}")
 
-    eval_model = build_model(cfg, d.device, attn_backend)  # fresh model, weights only from the file
+    eval_model = build_model(cfg, rt)  # fresh model, weights only from the file
     eval_model.load_state_dict(load_artifact(artifact, eval_model.state_dict(), cfg.num_layers))
     log_score(log, "final_int6_roundtrip", scorer(eval_model, cfg.eval_seq_len))
     log_score(log, "final_int6_sliding_window", scorer(eval_model, cfg.eval_stride), f" stride:{cfg.eval_stride}")
     if cfg.ttt_enabled:  # last: it changes the weights
-        log_score(log, "legal_ttt", legal_ttt(cfg, d, eval_model, scorer, log))
+        log_score(log, "legal_ttt", legal_ttt(cfg, rt, eval_model, scorer, log))
     if total > SIZE_LIMIT_BYTES:
         log(f"ERROR submission_over_limit total:{total} limit:{SIZE_LIMIT_BYTES} over_by:{total - SIZE_LIMIT_BYTES}")
         return 1

@@ -26,16 +26,13 @@ import torch
 import torch.nn.functional as F
 import zstandard
 
-from conftest import SCRIPT, run_script, sample_text, spawn, tiny_env
+from conftest import SCRIPT, make_scorer, run_script, sample_text, spawn, tiny_env
 import train_gpt as tg
 
 CPU = torch.device("cpu")
 # REFERENCE.md "Details that decide parity" (export): the per-row clip candidates, the table threshold.
 CLIP_CANDIDATES = (0.999, 0.9995, 0.9999, 0.99999, 1.0)
 KEEP_FLOAT_MAX = 65536
-BANK_LAYOUT = (  # (per-layer name, bank, slot): qo = [Q_0..Q_{L-1}, O_0..], kv = [K_0.., V_0..]
-    ("attn.q", "qo_bank", 0), ("attn.o", "qo_bank", 1), ("attn.k", "kv_bank", 0), ("attn.v", "kv_bank", 1),
-    ("mlp.up", "mlp_up_bank", 0), ("mlp.down", "mlp_down_bank", 0))
 
 
 def tiny_cfg(**kw) -> tg.Hyperparameters:
@@ -49,7 +46,7 @@ def tiny_cfg(**kw) -> tg.Hyperparameters:
 def random_model(cfg: tg.Hyperparameters, seed: int, bank_std: float = 0.05, table_std: float = 0.02) -> tg.GPT:
     """A model with realistic non-zero weights everywhere (the init zeroes out/down banks and tables)."""
     torch.manual_seed(seed)
-    model = tg.build_model(cfg, CPU, "math")
+    model = tg.build_model(cfg, tg.Runtime())
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("_bank"):
@@ -62,7 +59,17 @@ def random_model(cfg: tg.Hyperparameters, seed: int, bank_std: float = 0.05, tab
 
 
 def bank_slices(L: int) -> dict[str, tuple[str, int]]:
-    return {f"blocks.{i}.{n}": (bank, slot * L + i) for i in range(L) for n, bank, slot in BANK_LAYOUT}
+    return {f"blocks.{i}.{n}": (bank, slot * L + i) for i in range(L) for n, (bank, slot) in tg.MATRICES.items()}
+
+
+def test_bank_layout_is_the_references():
+    # REFERENCE.md: qo (2L, D, D) holds Q then attention out, kv (2L, kv, D) K then V; one bank each for MLP up, down
+    assert tg.MATRICES == {"attn.q": ("qo_bank", 0), "attn.o": ("qo_bank", 1), "attn.k": ("kv_bank", 0),
+                           "attn.v": ("kv_bank", 1), "mlp.up": ("mlp_up_bank", 0), "mlp.down": ("mlp_down_bank", 0)}
+    model = tg.build_model(tiny_cfg(), tg.Runtime())
+    L, D = 2, 32
+    assert model.qo_bank.shape == (2 * L, D, D) and model.kv_bank.shape == (2 * L, 16, D)
+    assert model.mlp_up_bank.shape == (L, 3 * D, D) and model.mlp_down_bank.shape == (L, D, 3 * D)
 
 
 def read_artifact(blob: bytes) -> dict[str, np.ndarray]:
@@ -125,7 +132,7 @@ def test_export_roundtrip_error_bounds_and_reproducible(tmp_path, method):
     (tmp_path / "b.ptz").write_bytes(export(copy.deepcopy(state), cfg, method)[0])
     assert path.read_bytes() == (tmp_path / "b.ptz").read_bytes()
 
-    template = tg.build_model(cfg, CPU, "math").state_dict()
+    template = tg.build_model(cfg, tg.Runtime()).state_dict()
     loaded = tg.load_artifact(path, template, L)
     assert list(loaded) == list(template)
     assert all(loaded[k].dtype == template[k].dtype and loaded[k].shape == template[k].shape for k in template)
@@ -368,8 +375,7 @@ def test_scorer_matches_independent_scorers(sp, n, window, stride, batch):
     model = random_model(cfg, seed=5, bank_std=0.2, table_std=0.5).double()
     tokens = stream_tokens(sp, 40, seed=11)[: n + 1]
     luts = tg.build_byte_luts(sp, cfg.vocab_size, CPU)
-    d = tg.Dist(0, 1, 0, CPU)
-    s = tg.Scorer(cfg, d, tokens, luts, batch, compile_enabled=False)(model, stride)
+    s = make_scorer(cfg, tokens, luts, batch)(model, stride)
     with torch.inference_mode():
         ref_nll, ref_n = plain_scorer(model, tokens, window) if stride == window else \
             brute_force_sliding(model, tokens, window, stride)
@@ -424,7 +430,7 @@ def test_val_bpb_bytes_equal_utf8_bytes_of_decoded_text(sp):
     assert counted == len(sp.decode(stream).encode("utf-8"))  # documents joined as the decoder sees them
     # Through the scorer (sliding, batched, padded): the same byte total.
     cfg = tiny_cfg()
-    s = tg.Scorer(cfg, tg.Dist(0, 1, 0, CPU), torch.tensor(stream), (base, space, boundary), 3, False)(
+    s = make_scorer(cfg, torch.tensor(stream), (base, space, boundary), 3)(
         random_model(cfg, seed=6), 8)
     assert s.tokens == len(stream) - 1 and s.bytes == expected
 
@@ -443,7 +449,7 @@ def test_first_token_after_bos_counts_no_leading_space(sp):
     assert counted == sum(len(t.encode()) for t in decoded)
     # The scorer applies the same rule (x = previous token of each target).
     cfg = tiny_cfg()
-    score = tg.Scorer(cfg, tg.Dist(0, 1, 0, CPU), torch.tensor(stream * 5), (base, space, boundary), 2, False)
+    score = make_scorer(cfg, torch.tensor(stream * 5), (base, space, boundary), 2)
     assert score(random_model(cfg, seed=6), 4).bytes == 5 * counted
 
 
@@ -472,7 +478,7 @@ def _score_on_rank(rank: int, world_size: int, tokens: list[int], tok_path: str)
     cfg = tiny_cfg()
     sp_ = spm.SentencePieceProcessor(model_file=tok_path)
     luts = tg.build_byte_luts(sp_, cfg.vocab_size, CPU)
-    scorer = tg.Scorer(cfg, tg.Dist(rank, world_size, rank, CPU), torch.tensor(tokens), luts, 4, False)
+    scorer = make_scorer(cfg, torch.tensor(tokens), luts, 4, rank, world_size)
     model = random_model(cfg, seed=8, bank_std=0.2, table_std=0.5)
     return [(s.loss, s.bpb, s.tokens, s.bytes) for s in (scorer(model, 8), scorer(model, 32), scorer(model, 1))]
 
@@ -521,7 +527,7 @@ def test_corrupt_or_truncated_artifact_is_a_clear_error(tmp_path, dataset, token
     blob = write_artifact(tmp_path / "good.ptz", cfg, method)
     bad = tmp_path / "bad.ptz"
     bad.write_bytes(damaged(blob, how))
-    template = tg.build_model(cfg, CPU, "math").state_dict()
+    template = tg.build_model(cfg, tg.Runtime()).state_dict()
     with pytest.raises(ValueError, match="corrupt|truncated"):
         tg.decompress(bad.read_bytes())
     with pytest.raises(ValueError, match="corrupt|truncated"):

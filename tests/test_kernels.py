@@ -239,7 +239,7 @@ def test_inductor_sees_each_kernel_write_only_its_outputs():
 def test_model_with_triton_kernel_equals_model_with_torch_ops(name):
     """Same weights, KERNELS=triton vs torch: logits, loss and every gradient (fp32, CPU)."""
     ref = random_model(name).to(DEV)
-    model = tg.GPT(ref.cfg, "math", "triton").to(DEV)
+    model = tg.GPT(ref.cfg, "math", tg.TRITON_OPS).to(DEV)
     model.load_state_dict(ref.state_dict())
     V = ref.cfg.vocab_size
     g = torch.Generator().manual_seed(5)
@@ -255,16 +255,14 @@ def test_model_with_triton_kernel_equals_model_with_torch_ops(name):
 
 
 def test_kernels_setting_resolves_and_refuses_what_cannot_run(monkeypatch):
-    cpu = torch.device("cpu")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # only read by resolve_kernels here
-    assert tg.resolve_kernels(make_cfg(), cpu) == "torch"  # the CPU default: no interpreter needed
-    assert tg.resolve_kernels(make_cfg(KERNELS="triton"), cpu) == "triton"
-    assert tg.build_model(make_cfg(KERNELS="triton", NUM_LAYERS=2, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=1,
-                                   VOCAB_SIZE=64, VE_LAYERS="1"), cpu, "math").kernels == "triton"
+    tiny = dict(NUM_LAYERS=2, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=1, VOCAB_SIZE=64, VE_LAYERS="1", DEVICE="cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tg.init_runtime(make_cfg(**tiny), {}).kernels == "torch"  # the CPU default: no interpreter needed
+    rt = tg.init_runtime(make_cfg(KERNELS="triton", **tiny), {})
+    assert rt.kernels == "triton" and tg.build_model(make_cfg(KERNELS="triton", **tiny), rt).ops is tg.TRITON_OPS
     monkeypatch.delenv("TRITON_INTERPRET")  # the CPU without the interpreter cannot run the kernels
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        tg.resolve_kernels(make_cfg(KERNELS="triton"), cpu)
+        tg.init_runtime(make_cfg(KERNELS="triton", **tiny), {})
     monkeypatch.setattr(tg, "triton", None)
     with pytest.raises(ValueError, match="KERNELS=triton needs the triton package"):
-        tg.resolve_kernels(make_cfg(KERNELS="triton"), cpu)
-    assert tg.resolve_kernels(make_cfg(), torch.device("cuda")) == "torch"
+        tg.init_runtime(make_cfg(KERNELS="triton", **tiny), {})

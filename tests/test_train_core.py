@@ -121,7 +121,7 @@ def test_negative_grad_accum_steps_is_an_error():
     """GRAD_ACCUM_STEPS=-2 would give range(-2) micro-steps (no data, no gradients): reject it with a clear error."""
     with pytest.raises(ValueError) as e:
         cfg, _ = tg.Hyperparameters.from_env({"GRAD_ACCUM_STEPS": "-2"})
-        tg.resolve_grad_accum(cfg, 1)
+        tg.grad_accum_steps(cfg, 1)
     assert "GRAD_ACCUM_STEPS" in str(e.value), str(e.value)
 
 
@@ -184,24 +184,24 @@ def test_script_run_with_misspelled_variable_fails_naming_it(dataset, tokenizer_
 @pytest.mark.parametrize("world, accum", [(1, 8), (2, 4), (3, 2), (4, 2), (5, 1), (6, 1), (8, 1), (16, 1)])
 def test_auto_grad_accum_rule(world, accum):
     cfg = make_cfg(TRAIN_BATCH_TOKENS=786432 if world != 5 else 10 * 2048 * 5)
-    assert tg.resolve_grad_accum(cfg, world) == accum
+    assert tg.grad_accum_steps(cfg, world) == accum
 
 
 def test_grad_accum_divisibility():
     default = make_cfg()
     # 786432 / (3 * 2 * 2048) = 64: fine; 786432 / (5 * 1 * 2048) = 76.8: error
-    assert tg.resolve_grad_accum(default, 3) == 2
+    assert tg.grad_accum_steps(default, 3) == 2
     with pytest.raises(ValueError, match="TRAIN_BATCH_TOKENS"):
-        tg.resolve_grad_accum(default, 5)
+        tg.grad_accum_steps(default, 5)
     # 524288 / (3 * 2 * 2048) = 42.67: error; 524288 / (4 * 2 * 2048) = 32: fine
     cfg = make_cfg(TRAIN_BATCH_TOKENS=524288)
     with pytest.raises(ValueError, match="TRAIN_BATCH_TOKENS"):
-        tg.resolve_grad_accum(cfg, 3)
-    assert tg.resolve_grad_accum(cfg, 4) == 2
+        tg.grad_accum_steps(cfg, 3)
+    assert tg.grad_accum_steps(cfg, 4) == 2
     # explicit accumulation: 786432 / (1 * 3 * 2048) = 128 fine, 786432 / (1 * 5 * 2048) = 76.8 error
-    assert tg.resolve_grad_accum(make_cfg(GRAD_ACCUM_STEPS=3), 1) == 3
+    assert tg.grad_accum_steps(make_cfg(GRAD_ACCUM_STEPS=3), 1) == 3
     with pytest.raises(ValueError, match="GRAD_ACCUM_STEPS=5"):
-        tg.resolve_grad_accum(make_cfg(GRAD_ACCUM_STEPS=5), 1)
+        tg.grad_accum_steps(make_cfg(GRAD_ACCUM_STEPS=5), 1)
 
 
 # =============================================================================================
@@ -308,8 +308,8 @@ def test_train_loader_global_batch_is_split_independent(small_shards, batch, wor
     files, all_tokens = small_shards
     T = 4
     cfg = make_cfg(TRAIN_SEQ_LEN=T, TRAIN_BATCH_TOKENS=batch)
-    assert tg.resolve_grad_accum(dataclasses.replace(cfg, grad_accum_steps=accum), world) == accum
-    loaders = [tg.TrainLoader(files, cfg, tg.Dist(r, world, r, CPU), accum) for r in range(world)]
+    assert tg.grad_accum_steps(dataclasses.replace(cfg, grad_accum_steps=accum), world) == accum
+    loaders = [tg.TrainLoader(files, cfg, tg.Runtime(r, world, r, grad_accum=accum)) for r in range(world)]
     for step in range(12):  # 12 * 32 = 384 tokens: wraps the 163-token stream twice
         if step % 3 == 1:  # prefetching (on some steps, any number of times) changes no batch
             for ld in loaders:
@@ -320,8 +320,8 @@ def test_train_loader_global_batch_is_split_independent(small_shards, batch, wor
 def test_train_loader_state_dict_restores_position(small_shards):
     files, all_tokens = small_shards
     cfg = make_cfg(TRAIN_SEQ_LEN=4, TRAIN_BATCH_TOKENS=32)
-    d = tg.Dist(0, 1, 0, CPU)
-    a = tg.TrainLoader(files, cfg, d, 2)
+    rt = tg.Runtime(grad_accum=2)
+    a = tg.TrainLoader(files, cfg, rt)
     for _ in range(3):
         a.next_batch()
         a.prefetch()  # as the trainer does: the next batch is queued when the state is taken
@@ -335,7 +335,7 @@ def test_train_loader_state_dict_restores_position(small_shards):
             assert all(torch.equal(x, wx) and torch.equal(y, wy) for (x, y), (wx, wy) in zip(got, want))
     a.load_state_dict(dict(state))
     same(a)
-    b = tg.TrainLoader(files, cfg, d, 2)  # a fresh loader, as after a restart
+    b = tg.TrainLoader(files, cfg, rt)  # a fresh loader, as after a restart
     b.load_state_dict(dict(state))
     same(b)
     step3 = sorted((tuple(x.tolist()), tuple(y.tolist())) for xs, ys in after[0] for x, y in zip(xs, ys))
@@ -377,13 +377,13 @@ def test_coprime_loader_is_split_independent_and_restorable(small_shards, world,
     files, all_tokens = small_shards
     T, batch = 4, 32
     cfg = make_cfg(TRAIN_SEQ_LEN=T, TRAIN_BATCH_TOKENS=batch, TRAIN_SAMPLING="coprime")
-    loaders = [tg.TrainLoader(files, cfg, tg.Dist(r, world, r, CPU), accum) for r in range(world)]
+    loaders = [tg.TrainLoader(files, cfg, tg.Runtime(r, world, r, grad_accum=accum)) for r in range(world)]
     for step in range(7):  # 7 * 8 = 56 sequences > 40 slots: crosses a cycle
         assert _gathered_step(loaders) == _coprime_expected(all_tokens, step, batch, T), f"step {step}"
     loaders[0].prefetch()
     state = loaders[0].state_dict()  # taken with the next batch already prefetched
     want = _gathered_step(loaders[:1]) if world == 1 else None
-    fresh = tg.TrainLoader(files, cfg, tg.Dist(0, world, 0, CPU), accum)
+    fresh = tg.TrainLoader(files, cfg, tg.Runtime(0, world, 0, grad_accum=accum))
     fresh.load_state_dict(state)
     if want is not None:
         assert _gathered_step([fresh]) == want
@@ -554,7 +554,7 @@ def test_rope_tables_cover_the_longest_sequence_and_refuse_longer():
             model.logits(torch.zeros(1, 25, dtype=torch.long))
 
 
-def test_configure_cuda_sets_mix_order_reductions_multi_stage_unless_the_env_sets_them(monkeypatch):
+def test_configure_inductor_sets_mix_order_reductions_multi_stage_unless_the_env_sets_them(monkeypatch):
     import torch._inductor.config as ic
     if not hasattr(ic.triton, "mix_order_reduction"):
         pytest.skip("this torch has no mix-order reductions")
@@ -563,22 +563,22 @@ def test_configure_cuda_sets_mix_order_reductions_multi_stage_unless_the_env_set
     for preset in (True, False):  # the user's explicit choice stands, whichever it is
         monkeypatch.setattr(ic.triton, "mix_order_reduction", preset)
         monkeypatch.setenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION", str(int(preset)))
-        tg.configure_cuda("math")
+        tg.configure_inductor()
         assert ic.triton.mix_order_reduction is preset
     monkeypatch.delenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION")
     if multi:
         monkeypatch.setattr(ic.triton, "mix_order_reduction_allow_multi_stages", False)
-    tg.configure_cuda("math")
+    tg.configure_inductor()
     assert ic.triton.mix_order_reduction is multi  # single-stage only (older torch): off
     if multi:
         assert ic.triton.mix_order_reduction_allow_multi_stages is True
         monkeypatch.setattr(ic.triton, "mix_order_reduction_allow_multi_stages", False)
         monkeypatch.setenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES", "0")  # the user's: single-stage
-        tg.configure_cuda("math")
+        tg.configure_inductor()
         assert ic.triton.mix_order_reduction is False and ic.triton.mix_order_reduction_allow_multi_stages is False
         monkeypatch.delenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES")
         monkeypatch.delattr(ic.triton, "mix_order_reduction_allow_multi_stages")
-        tg.configure_cuda("math")
+        tg.configure_inductor()
         assert ic.triton.mix_order_reduction is False
 
 
@@ -618,7 +618,7 @@ def test_init_facts():
     cfg = make_cfg(NUM_LAYERS=2, MODEL_DIM=128, NUM_HEADS=4, NUM_KV_HEADS=2, VOCAB_SIZE=512, BIGRAM_VOCAB_SIZE=64,
                    BIGRAM_DIM=64, VE_DIM=64, VE_LAYERS="1", XSA_LAST_N=1)
     torch.manual_seed(0)
-    m = tg.build_model(cfg, CPU, "math")
+    m = tg.build_model(cfg, tg.Runtime())
     L, D, kv, mlp = 2, 128, 64, 384
     assert m.qo_bank.shape == (2 * L, D, D) and m.kv_bank.shape == (2 * L, kv, D)
     assert m.mlp_up_bank.shape == (L, mlp, D) and m.mlp_down_bank.shape == (L, D, mlp)
@@ -652,7 +652,7 @@ def test_init_facts():
 
 def int6_reference(w: torch.Tensor, floor: float = 1 / 31) -> torch.Tensor:
     """Per row (last dim): scale = max(max|w| / 31, floor), codes round(w / scale) in [-31, 31]."""
-    s = torch.clamp(w.abs().amax(-1, keepdim=True) / 31, min=floor)
+    s = torch.clamp(w.abs().amax(-1, keepdim=True) / 31, min=floor).half().float()  # scales are stored fp16
     return torch.clamp(torch.round(w / s), -31, 31) * s
 
 
@@ -661,7 +661,7 @@ def test_fake_quant_int6_grid_and_straight_through():
     w = torch.randn(6, 40, generator=g) * torch.tensor([0.01, 0.1, 0.5, 1.0, 3.0, 30.0])[:, None]
     w.requires_grad_(True)
     q = tg.fake_quant_int6(w, 1 / 31)
-    s = torch.clamp(w.detach().abs().amax(-1, keepdim=True) / 31, min=1 / 31)
+    s = torch.clamp(w.detach().abs().amax(-1, keepdim=True) / 31, min=1 / 31).half().float()
     codes = q.detach() / s
     assert (codes - codes.round()).abs().max() < 1e-4 and codes.abs().max() <= 31 + 1e-4  # on the int6 grid
     assert torch.allclose(q.detach(), int6_reference(w.detach()), atol=1e-6)
@@ -669,6 +669,17 @@ def test_fake_quant_int6_grid_and_straight_through():
     grad_out = torch.randn(6, 40, generator=g)
     (q * grad_out).sum().backward()
     assert torch.equal(w.grad, grad_out)  # straight-through estimator
+
+
+@pytest.mark.parametrize("floor", [1 / 31, 1e-4])
+def test_qat_trains_on_the_grid_the_export_writes(floor):
+    """One int6 grid: late QAT's fake quantisation equals the export's quantise-dequantise of the same rows
+    when the export's clip search keeps the max (its 1.0 candidate)."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(3, 7, 50, generator=g) * torch.tensor([0.003, 0.05, 2.0])[:, None, None]
+    codes, scales = tg.quantize_rows(w.reshape(-1, 50), 31, (1.0,), floor)
+    exported = (codes.float() * scales.float()[:, None]).view_as(w)
+    assert torch.equal(tg.fake_quant_int6(w, floor), exported)
 
 
 def test_qat_forward_uses_int6_banks():
@@ -736,8 +747,8 @@ def test_fa3_backend_in_the_model(fake_fa3):
         torch.testing.assert_close(fa3_model.logits(ids), math_model.logits(ids), rtol=1e-5, atol=1e-5)
     assert len(calls) == math_model.cfg.num_layers
     assert all(c["q"].shape == (2, 32, 4, 8) and c["k"].shape == (2, 32, 2, 8) for c in calls)
-    with pytest.raises(ValueError, match="CUDA"):  # never silently on a CPU
-        tg.resolve_attn_backend(make_cfg(ATTN_BACKEND="fa3"), CPU)
+    with pytest.raises(ValueError, match="ATTN_BACKEND=fa3 needs CUDA"):  # never silently on a CPU
+        tg.init_runtime(make_cfg(ATTN_BACKEND="fa3", DEVICE="cpu"), {})
 
 
 # =============================================================================================
@@ -745,13 +756,13 @@ def test_fa3_backend_in_the_model(fake_fa3):
 # =============================================================================================
 
 def make_trainer(dataset, tokenizer_path, log=None, device=CPU, **overrides) -> tg.Trainer:
-    cfg, _ = tg.Hyperparameters.from_env(tiny_env(dataset, tokenizer_path, **overrides))
-    d = tg.Dist(0, 1, 0, device)
+    settings = dict(DEVICE=device.type, COMPILE_ENABLED="0", ATTN_BACKEND="math") | overrides
+    cfg, _ = tg.Hyperparameters.from_env(tiny_env(dataset, tokenizer_path, **settings))
+    rt = tg.init_runtime(cfg, {})  # one process, whatever this test process's environment says
     torch.manual_seed(cfg.seed)
-    model = tg.build_model(cfg, device, "math")
-    accum = tg.resolve_grad_accum(cfg, 1)
-    loader = tg.TrainLoader(tg.shard_files(cfg.data_path, "train"), cfg, d, accum)
-    return tg.Trainer(cfg, d, model, loader, log or tg.Logger(cfg.run_id, enabled=False), accum, compile_enabled=False)
+    model = tg.build_model(cfg, rt)
+    loader = tg.TrainLoader(tg.shard_files(cfg.data_path, "train"), cfg, rt)
+    return tg.Trainer(cfg, rt, model, loader, log or tg.Logger(cfg.run_id, enabled=False))
 
 
 def assert_same(a, b, path="state"):
@@ -882,7 +893,7 @@ class FakeClock:
 def _run_with_fake_clock(dataset, tokenizer_path, monkeypatch, step_ms, ema_ms, log_ms=0.0, **overrides):
     """Trainer.train with a fake clock: each step costs step_ms, each EMA update ema_ms, each logged loss log_ms."""
     clock, lines, record, deltas = FakeClock(), [], [], []
-    monkeypatch.setattr(tg, "_now", clock)
+    monkeypatch.setattr(tg, "now_ms", clock)
     tr = make_trainer(dataset, tokenizer_path, log=lines.append, **overrides)
 
     def fake_step(step, lr_scale):
@@ -950,10 +961,10 @@ def _ema_deltas_with_rank_clocks(rank, world_size, data_path, tok_path):
     """Trainer.train on `rank` with its own fake clock (rank 1 runs 10% slower and stalls 0.5 s at step 5)."""
     cfg, _ = tg.Hyperparameters.from_env(tiny_env(Path(data_path), Path(tok_path), MAX_WALLCLOCK_SECONDS=3.0,
                                                   ITERATIONS=100000, WARMDOWN_ITERS=5, TRAIN_LOG_EVERY=0))
-    d = tg.Dist(rank, world_size, rank, CPU)
+    rt = tg.Runtime(rank, world_size, rank)
     clock, out = FakeClock(), []
-    tg._now = clock
-    tr = tg.Trainer(cfg, d, tg.build_model(cfg, CPU, "math"), None, tg.Logger(cfg.run_id, False), 1, False)
+    tg.now_ms = clock
+    tr = tg.Trainer(cfg, rt, tg.build_model(cfg, rt), None, tg.Logger(cfg.run_id, False))
 
     def fake_step(step, lr_scale):
         out.append(("lr", step, lr_scale))
@@ -1003,9 +1014,9 @@ def test_ema_horizon_is_a_fraction_of_the_run():
 # =============================================================================================
 
 def _report_first_bad(rank, world_size, per_rank):
-    d = tg.Dist(rank, world_size, rank, CPU)
+    rt = tg.Runtime(rank, world_size, rank)
     try:
-        tg.Trainer.check_finite(types.SimpleNamespace(d=d), torch.tensor(per_rank[rank]))
+        tg.Trainer.check_finite(types.SimpleNamespace(rt=rt), torch.tensor(per_rank[rank]))
     except FloatingPointError as e:
         return str(e)
     return None

@@ -36,7 +36,7 @@ def make_model(cfg: tg.Hyperparameters, seed: int = 0) -> tg.GPT:
     """The script's model, with every parameter perturbed so that all gradients are non-zero from the
     first step (the zero-initialised attention-out / MLP-down banks would otherwise hide bugs)."""
     torch.manual_seed(seed)
-    model = tg.build_model(cfg, CPU, "math")
+    model = tg.build_model(cfg, tg.Runtime())
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
@@ -180,7 +180,7 @@ def train_worker(rank: int, world_size: int, overrides: dict, steps: int) -> dic
     optimizer used (replicated grads; this rank's bank shards), and this rank's bank shard size."""
     cfg = tiny_cfg(**overrides)
     model = make_model(cfg)
-    opt = tg.Optimizers(model, cfg, tg.Dist(rank, world_size, rank, CPU))
+    opt = tg.Optimizers(model, cfg, tg.Runtime(rank, world_size, rank))
     names = {id(p): n for n, p in model.named_parameters()}
     captured: dict[str, np.ndarray] = {}
     muon_step = opt.muon.step
@@ -346,7 +346,7 @@ def test_returned_norm_is_pre_clip_and_clip_off_leaves_grads():
     for clip in (0.0, CLIP):
         cfg = tiny_cfg(grad_clip_norm=clip)
         model = make_model(cfg)
-        opt = tg.Optimizers(model, cfg, tg.Dist(0, 1, 0, CPU))
+        opt = tg.Optimizers(model, cfg, tg.Runtime())
         x, y = global_batch(0)
         model(x, y).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -370,7 +370,7 @@ def test_adamw_groups_match_torch_adamw(tie):
     # Adam). Clipping off, 5 steps with a changing lr scale. Tolerance: relative 1e-6 per tensor.
     cfg = tiny_cfg(tie_embeddings=tie, adam_wd=0.1, beta1=0.8, beta2=0.9, adam_eps=1e-6)
     model = make_model(cfg)
-    opt = tg.Optimizers(model, cfg, tg.Dist(0, 1, 0, CPU))
+    opt = tg.Optimizers(model, cfg, tg.Runtime())
     table_lr = cfg.tied_embed_lr if tie else cfg.embed_lr
 
     def expected(name: str) -> tuple[float, float]:
@@ -431,7 +431,7 @@ CONFIGS = {
 @pytest.mark.parametrize("overrides", list(CONFIGS.values()), ids=list(CONFIGS))
 def test_parameter_table_covers_every_parameter_once(overrides):
     cfg = tiny_cfg(**overrides)
-    model = tg.build_model(cfg, CPU, "math")
+    model = tg.build_model(cfg, tg.Runtime())
     groups = tg.group_parameters(model)
     assert set(groups) == {g for g, _ in tg.PARAM_TABLE} == {"muon", "token", "head", "scalar"}
     seen = [id(p) for members in groups.values() for _, p in members]
@@ -448,7 +448,7 @@ def test_parameter_table_covers_every_parameter_once(overrides):
     assert {n for n, _ in groups["muon"]} == set(BANKS)
 
     # The optimizers are built from those groups with the documented settings.
-    opt = tg.Optimizers(model, cfg, tg.Dist(0, 1, 0, CPU))
+    opt = tg.Optimizers(model, cfg, tg.Runtime())
     assert {id(p) for p in opt.muon.param_groups[0]["params"]} == {id(p) for _, p in groups["muon"]}
     mg = opt.muon.param_groups[0]
     assert (mg["lr"], mg["weight_decay"], mg["momentum"], mg["ns_steps"]) == (
@@ -473,7 +473,7 @@ def roundtrip_worker(rank: int, world_size: int, overrides: dict) -> dict:
     """Step 3, save (model + optimizers), step 3 more -> A. Fresh model (other seed) and fresh
     Optimizers, load both, step the same 3 -> B. Also C: load the model but not the optimizer state."""
     cfg = tiny_cfg(**overrides)
-    d = tg.Dist(rank, world_size, rank, CPU)
+    d = tg.Runtime(rank, world_size, rank)
 
     def run(model, opt, steps):
         for step in steps:

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_script, spawn, tiny_env
+from conftest import make_scorer, run_script, spawn, tiny_env
 import train_gpt as tg
 
 CPU = torch.device("cpu")
@@ -45,7 +45,7 @@ def tiny_cfg(**kw) -> tg.Hyperparameters:
 def random_model(cfg: tg.Hyperparameters, seed: int) -> tg.GPT:
     """Non-zero weights everywhere (the init zeroes the out/down banks and the bigram table)."""
     torch.manual_seed(seed)
-    model = tg.build_model(cfg, CPU, "math")
+    model = tg.build_model(cfg, tg.Runtime())
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("_bank"):
@@ -76,22 +76,20 @@ def make_tokens(n: int, seed: int) -> torch.Tensor:
     return toks.to(torch.int64)
 
 
-def make_scorer(cfg, tokens, luts, batch_seqs=4, rank=0, world_size=1) -> tg.Scorer:
-    return tg.Scorer(cfg, tg.Dist(rank, world_size, rank, CPU), tokens, luts, batch_seqs, compile_enabled=False)
-
-
 def snapshot(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
 def run_ttt(cfg, model, scorer):
-    """legal_ttt with on_chunk snapshots; returns (score, snapshots in chunk order)."""
-    snaps = []
+    """legal_ttt with a snapshot of the weights each time it scores (once per chunk, before training on it);
+    returns (score, snapshots in chunk order)."""
+    snaps, score_windows = [], scorer.score_windows
 
-    def on_chunk(k, m):
-        assert k == len(snaps) and m is model
-        snaps.append(snapshot(m))
-    return tg.legal_ttt(cfg, scorer.d, model, scorer, tg.Logger("x", enabled=False), on_chunk), snaps
+    def scoring(fn, wins):
+        snaps.append(snapshot(model))
+        return score_windows(fn, wins)
+    scorer.score_windows = scoring
+    return tg.legal_ttt(cfg, scorer.rt, model, scorer, tg.Logger("x", enabled=False)), snaps
 
 
 class WindowRecorder:
@@ -204,7 +202,7 @@ def brute_force_score(cfg, states, tokens, luts):
     S, st, C = cfg.eval_seq_len, cfg.eval_stride, cfg.ttt_chunk_tokens
     n = tokens.numel() - 1
     base, space, boundary = luts
-    model = tg.build_model(cfg, CPU, "math").eval()
+    model = tg.build_model(cfg, tg.Runtime()).eval()
     groups: dict[tuple[int, int], list[int]] = {}
     for j in range(n):
         if j < S:
@@ -254,7 +252,7 @@ def test_weights_at_each_chunk_equal_training_on_earlier_chunks_only():
 
 
 def _loaded(cfg, state) -> tg.GPT:
-    m = tg.build_model(cfg, CPU, "math")
+    m = tg.build_model(cfg, tg.Runtime())
     m.load_state_dict(state)
     return m
 
@@ -326,7 +324,7 @@ def _ttt_on_rank(rank: int, world_size: int, tokens: list[int]):
     cfg = tiny_cfg(**TWO_RANK_CFG)
     model = random_model(cfg, seed=10)
     scorer = make_scorer(cfg, torch.tensor(tokens), make_luts(4), batch_seqs=3, rank=rank, world_size=world_size)
-    s = tg.legal_ttt(cfg, scorer.d, model, scorer, tg.Logger("x", enabled=False))
+    s = tg.legal_ttt(cfg, scorer.rt, model, scorer, tg.Logger("x", enabled=False))
     return (s.loss, s.bpb, s.tokens, s.bytes), {n: p.detach().numpy().copy() for n, p in model.state_dict().items()}
 
 
@@ -358,7 +356,7 @@ def test_freeze_first_block():
     tokens = make_tokens(260, seed=12)
     model = random_model(cfg, seed=13)
     before = snapshot(model)
-    tg.legal_ttt(cfg, tg.Dist(0, 1, 0, CPU), model, make_scorer(cfg, tokens, make_luts(5)),
+    tg.legal_ttt(cfg, tg.Runtime(), model, make_scorer(cfg, tokens, make_luts(5)),
                  tg.Logger("x", enabled=False))
     after = snapshot(model)
     rows = {"qo_bank": (0, L), "kv_bank": (0, L), "mlp_up_bank": (0,), "mlp_down_bank": (0,)}

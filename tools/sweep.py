@@ -139,7 +139,7 @@ def check_settings(tg, name: str, settings: dict[str, str], world_size: int) -> 
                          "needs the zstandard package, which this Python lacks")
     try:
         cfg, _ = tg.Hyperparameters.from_env(settings | {"RUN_ID": "check"})
-        tg.resolve_grad_accum(cfg, world_size)
+        tg.grad_accum_steps(cfg, world_size)
     except ValueError as e:
         raise SweepError(f"variant {name}: {e}") from None
     try:

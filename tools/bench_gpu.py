@@ -1,17 +1,15 @@
 """GPU training-step benchmark for any config (settings are train_gpt.py's environment variables).
 
-    python3 tests/bench_gpu.py [--steps 20] [--profile]                  (one GPU)
-    torchrun --standalone --nproc_per_node=N tests/bench_gpu.py ...      (N GPUs)
+    python3 tools/bench_gpu.py [--steps 20] [--profile]                  (one GPU)
+    torchrun --standalone --nproc_per_node=N tools/bench_gpu.py ...      (N GPUs)
 
-Runs the script's own warmup (compile, then full restore), then N timed steps with the real data
-loader, optimizer and EMA, and prints (rank 0): ms/step, tokens/s, achieved TFLOP/s and % of the
-bf16 floor, peak memory, compile time, and a per-step breakdown from CUDA events: data (host
-batch assembly + H2D), forward+backward, optimizer (with its communication), EMA; then the optimizer
-alone on one step's gradients (GPU time with the host ahead, and host launch time). --profile adds,
-over 3 more steps, a torch.profiler table and kernel_summary() of its trace (GPU time by kind, idle
-gaps, top kernels, the optimizer's span, memset issuers). --curve N prints N trained steps' losses
-instead of timing (also on the CPU). Not a test: pytest does not collect it (test_gpu_tools.py tests
-its pieces).
+Runs the script's own warmup (compile, graph capture, then full restore), then N timed steps of the
+script's own Trainer.step (real loader, optimizer) and EMA update, and prints (rank 0): ms/step, tokens/s,
+achieved TFLOP/s and % of the bf16 floor, peak memory, compile time, and per step by CUDA events: the
+step and the EMA update; then the optimizer alone on one step's gradients (GPU time with the host ahead,
+and host launch time). --profile adds, over 3 more steps, a torch.profiler table and kernel_summary() of
+its trace (GPU time by kind, idle gaps, top kernels, the optimizer's span, memset issuers). --curve N
+prints N trained steps' losses instead of timing (also on the CPU). tests/test_tools.py tests its pieces.
 """
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's train_gpt.py
 import train_gpt as tg  # noqa: E402
 
 BF16_PEAK_TFLOPS = 790.0  # measured dense bf16 matmul rate of one H200 (REFERENCE.md)
@@ -104,7 +102,7 @@ def kernel_summary(trace_path: str, steps: int, top: int = 70) -> list[str]:
     for (kind, name), t in names.most_common(top):
         out.append(f"kernel {kind} {t / steps / 1e3:8.3f} ms/step {counts[name] // steps:5d}/step {name[:160]}")
     # the optimizer's GPU work: kernels whose launch (runtime call, by correlation id) happened inside the
-    # host range of record_function("optimizer") in one_step. Its GPU-side annotation spans are not used:
+    # host range of record_function("optimizer") in Trainer.step. Its GPU-side annotation spans are not used:
     # they covered 0.6 of the 2.3 ms the CUDA events gave and held none of the Newton-Schulz GEMMs.
     ranges = [(e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") == "user_annotation" and e["name"] == "optimizer"]
     launched = {}  # correlation id -> index of the host range that launched it
@@ -166,27 +164,20 @@ def main() -> None:
     ap.add_argument("--curve", type=int, default=0, help="instead of timing: N trained steps, print each step's loss")
     args = ap.parse_args()
     cfg, _ = tg.Hyperparameters.from_env()
-    d = tg.init_distributed(cfg)
-    if d.device.type != "cuda" and not args.curve:
+    rt = tg.init_runtime(cfg)
+    if rt.device.type != "cuda" and not args.curve:
         raise SystemExit("bench_gpu.py needs CUDA (only --curve runs on the CPU)")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    attn = tg.resolve_attn_backend(cfg, d.device)
-    tg.configure_cuda(attn)
-    accum = tg.resolve_grad_accum(cfg, d.world_size)
     torch.manual_seed(cfg.seed)  # as train_gpt.main: every rank builds the same initial weights
-    model = tg.build_model(cfg, d.device, attn)
-    loader = tg.TrainLoader(tg.shard_files(cfg.data_path, "train"), cfg, d, accum)
-    compile_enabled = tg.resolve_compile(cfg, d.device)
-    trainer = tg.Trainer(cfg, d, model, loader, tg.Logger(cfg.run_id, False), accum, compile_enabled)
-    t0 = time.perf_counter()
+    model = tg.build_model(cfg, rt)
+    loader = tg.TrainLoader(tg.shard_files(cfg.data_path, "train"), cfg, rt)
+    trainer = tg.Trainer(cfg, rt, model, loader, tg.Logger(cfg.run_id, False))
+    t0 = tg.now_ms(rt.device)
     trainer.warmup()
-    if d.device.type == "cuda":
-        torch.cuda.synchronize()
-    compile_s = time.perf_counter() - t0
+    compile_s = (tg.now_ms(rt.device) - t0) / 1000
     if args.curve:  # the schedule as train_gpt.py runs it without a wallclock cap; mean loss over ranks
         for step in range(args.curve):
             loss = trainer.mean_loss(trainer.step(step, tg.lr_scale_at(cfg, step, 0.0)))
-            if d.is_main:
+            if rt.is_main:
                 print(f"curve step:{step + 1} loss:{loss:.6f}")
         if tg._distributed():
             torch.distributed.destroy_process_group()
@@ -195,69 +186,49 @@ def main() -> None:
     if not trainer.graphed:  # with graphs the activations live in the graph's pool, allocated at capture (warmup)
         torch.cuda.reset_peak_memory_stats()
 
-    def fwd_bwd(batches) -> None:  # Trainer.step's micro-batch loop, here with events around its phases
-        for x, y in batches:
-            trainer.fwd_bwd(x, y)
-
-    def one_step(step: int, ev: list | None):
+    def one_step(step: int, ev: list | None) -> None:
         if args.sync:  # as the training loop under the wallclock cap: the host waits for the GPU each step
             torch.cuda.synchronize()
-        host = time.perf_counter()
         if ev:
             ev[0].record()
-        trainer.opt.set_schedule(1.0, tg.muon_momentum_at(cfg, step))
-        batches = loader.next_batch()
-        host = time.perf_counter() - host
+        trainer.step(step, 1.0)
         if ev:
             ev[1].record()
-        fwd_bwd(batches)
-        t = time.perf_counter()
-        loader.prefetch()  # as Trainer.step: the next batch's host work while the GPU runs this one
-        host += time.perf_counter() - t
-        if ev:
-            ev[2].record()
-        with torch.profiler.record_function("optimizer"):  # --profile: the kernels launched inside it
-            trainer.opt.step()
-            trainer.opt.zero_grad()
-        if ev:
-            ev[3].record()
         if ema is not None:
             ema.update(1.0 / args.steps)
         if ev:
-            ev[4].record()
-        return host
+            ev[2].record()
 
-    times = {k: 0.0 for k in ("data", "fwd_bwd", "optimizer", "ema")}
-    host_data = 0.0
-    events = [[torch.cuda.Event(enable_timing=True) for _ in range(5)] for _ in range(args.steps)]
+    times = {k: 0.0 for k in ("step", "ema")}
+    events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(args.steps)]
     torch.cuda.synchronize()
     if tg._distributed():
         torch.distributed.barrier()
     start = time.perf_counter()
     for i in range(args.steps):
-        host_data += one_step(i, events[i])
+        one_step(i, events[i])
     torch.cuda.synchronize()
     wall_ms = 1000 * (time.perf_counter() - start) / args.steps
     for ev in events:
-        for k, (a, b) in zip(times, ((0, 1), (1, 2), (2, 3), (3, 4))):
+        for k, (a, b) in zip(times, ((0, 1), (1, 2))):
             times[k] += ev[a].elapsed_time(ev[b]) / args.steps
-    flops = step_flops(cfg, model) / d.world_size
-    if d.is_main:
+    flops = step_flops(cfg, model) / rt.world_size
+    if rt.is_main:
         tps = cfg.train_batch_tokens / (wall_ms / 1000)
         tflops = flops / (wall_ms / 1000) / 1e12
-        print(f"bench world_size:{d.world_size} grad_accum:{accum} attn_backend:{attn} compile:{int(compile_enabled)} "
-              f"batch_tokens:{cfg.train_batch_tokens} micro_batch_tokens:{cfg.train_batch_tokens // (d.world_size * accum)}")
+        print(f"bench {rt.describe().removeprefix('layout ')} batch_tokens:{cfg.train_batch_tokens} "
+              f"micro_batch_tokens:{cfg.train_batch_tokens // (rt.world_size * rt.grad_accum)}")
         print(f"bench ms_per_step:{wall_ms:.2f} tokens_per_s:{tps:,.0f} tflops_per_gpu:{tflops:.1f} "
               f"pct_of_bf16_floor:{100 * tflops / BF16_PEAK_TFLOPS:.1f} floor_ms:{flops / BF16_PEAK_TFLOPS / 1e9:.1f} "
               f"compile_s:{compile_s:.1f} peak_mem_mib:{torch.cuda.max_memory_allocated() // 2**20} "
               f"peak_reserved_mib:{torch.cuda.max_memory_reserved() // 2**20} cuda_graphs:{int(trainer.graphed)}")
-        print("bench breakdown_ms " + " ".join(f"{k}:{v:.2f}" for k, v in times.items())
-              + f" host_data_ms:{1000 * host_data / args.steps:.2f}")
+        print("bench breakdown_ms " + " ".join(f"{k}:{v:.2f}" for k, v in times.items()))
     # The optimizer alone on one step's gradients: its GPU time with the host far ahead (a sleep kernel is
     # queued first), and the host's time to launch it. The in-step figure above is the larger of the two
     # when the host falls behind. These 10 extra steps change the weights that --qat-check and --profile
     # then run on; that changes no kernel's work.
-    fwd_bwd(loader.next_batch())
+    for x, y in loader.next_batch():  # one step's gradients
+        trainer.fwd_bwd(x, y)
     saved = {p: p.grad.clone() for p in model.parameters() if p.grad is not None}
     gpu_ms = host_ms = 0.0
     reps = 10
@@ -275,18 +246,18 @@ def main() -> None:
         torch.cuda.synchronize()
         gpu_ms += a.elapsed_time(b) / reps
     trainer.opt.zero_grad()
-    if d.is_main:
+    if rt.is_main:
         print(f"bench optimizer_alone gpu_ms:{gpu_ms:.3f} host_ms:{host_ms:.3f} reps:{reps}")
     if args.qat_check:  # after the timed steps, so out/down banks are non-zero and QAT can matter
         x, y = loader.next_batch()[0]
         losses = []
-        with tg.autocast(d.device):  # grad mode on, as in training: the variants warmup compiled
+        with tg.autocast(rt.device):  # grad mode on, as in training: the variants warmup compiled
             for qat in (False, True, False):
                 model.qat_enabled = qat
                 t = time.perf_counter()
                 losses.append((trainer.fwd(x, y).item(), 1000 * (time.perf_counter() - t)))
         model.qat_enabled = False
-        if d.is_main:
+        if rt.is_main:
             print("qat_check " + " ".join(f"{name}_loss:{l:.6f} {name}_ms:{ms:.1f}" for name, (l, ms)
                                           in zip(("off", "on", "off_again"), losses)))
     if args.profile:
@@ -295,7 +266,7 @@ def main() -> None:
             for i in range(PROFILE_STEPS):
                 one_step(i, None)
             torch.cuda.synchronize()
-        if d.is_main:
+        if rt.is_main:
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=int(os.environ.get("PROFILE_ROWS", 30)),
                                             max_name_column_width=70))
             trace = os.environ.get("PROFILE_TRACE", "/tmp/bench_trace.json")
