@@ -3,6 +3,8 @@ a tiny-config environment, and helpers to run train_gpt.py (1..N processes, gloo
 N gloo processes. Everything is built in temporary folders: no test reads ../shared or the network."""
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import socket
 import subprocess
@@ -21,8 +23,15 @@ if not torch.cuda.is_available():
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import train_gpt as tg  # noqa: E402  (after TRITON_INTERPRET is set)
+
 SCRIPT = ROOT / "train_gpt.py"
 TINY_VOCAB = 512
+# The tiny config of the unit tests (d=32, L=2, V=512, T=32): banks qo (4,32,32), kv (4,16,32), mlp_up (2,96,32),
+# mlp_down (2,32,96); tok_emb 512x32 and bigram 64x16 tables, VE on layer 1, XSA on the last layer.
+TINY_FIELDS = dict(num_layers=2, model_dim=32, num_heads=2, num_kv_heads=1, rope_dims=8, vocab_size=TINY_VOCAB,
+                   bigram_vocab_size=64, bigram_dim=16, ve_dim=16, ve_layers="1", xsa_last_n=1, train_seq_len=32,
+                   eval_seq_len=32, eval_stride=8)
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +156,80 @@ def make_scorer(cfg, tokens, luts, batch_seqs: int = 4, rank: int = 0, world_siz
     scorer = tg.Scorer(cfg, tg.Runtime(rank, world_size, rank), tokens, luts)
     assert scorer.batch_seqs == batch_seqs
     return scorer
+
+
+def make_cfg(**env) -> "tg.Hyperparameters":
+    """Hyperparameters from environment-style settings (values as strings), strictly parsed."""
+    cfg, _ = tg.Hyperparameters.from_env({k: str(v) for k, v in env.items()})
+    return cfg
+
+
+def tiny_cfg(**fields) -> "tg.Hyperparameters":
+    """TINY_FIELDS with `fields` on top, validated."""
+    cfg = dataclasses.replace(tg.Hyperparameters(), **(TINY_FIELDS | fields))
+    cfg.validate()
+    return cfg
+
+
+def perturbed_model(cfg, seed: int, bank_std: float | None = None, table_std: float | None = None,
+                    noise: float = 0.1) -> "tg.GPT":
+    """The script's model with non-zero values everywhere (its init zeroes the attention-out and MLP-down banks
+    and the bigram table, which would hide bugs): banks redrawn with bank_std and the embedding tables with
+    table_std when given, every other parameter (or all, when not given) plus noise * N(0, 1)."""
+    torch.manual_seed(seed)
+    model = tg.build_model(cfg, tg.Runtime())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if bank_std is not None and name in tg.BANKS:
+                p.normal_(0, bank_std)
+            elif table_std is not None and name in tg.EMBED_TABLES:
+                p.normal_(0, table_std)
+            else:
+                p.add_(noise * torch.randn_like(p))
+    return model
+
+
+def rms(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + torch.finfo(x.dtype).eps)
+
+
+def rope_reference(x_BTHD: torch.Tensor, dims: int, base: float) -> torch.Tensor:
+    """Pairs (j, j + dims/2) as complex numbers z_j, rotated by e^{-i t base^(-2j/dims)} (the baseline's sign)."""
+    if dims == 0:
+        return x_BTHD
+    T, half = x_BTHD.shape[1], dims // 2
+    inv_freq = base ** (-2.0 * torch.arange(half, dtype=torch.float64) / dims)
+    theta = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq
+    z = torch.complex(x_BTHD[..., :half].double(), x_BTHD[..., half:dims].double()) * torch.polar(
+        torch.ones_like(theta), -theta)[None, :, None, :]
+    return torch.cat((z.real.to(x_BTHD.dtype), z.imag.to(x_BTHD.dtype), x_BTHD[..., dims:]), dim=-1)
+
+
+MODEL_CONFIGS = {
+    # everything on, 4 layers (two U-Net skips popped in LIFO order), GQA 4/2, XSA on 2, VE on 2 layers
+    "full": dict(NUM_LAYERS=4, MODEL_DIM=32, NUM_HEADS=4, NUM_KV_HEADS=2, ROPE_DIMS=4, VOCAB_SIZE=64,
+                 BIGRAM_VOCAB_SIZE=64, BIGRAM_DIM=16, VE_DIM=16, VE_LAYERS="2,3", XSA_LAST_N=2, LOGIT_SOFTCAP=10),
+    # odd depth, untied head, relu^2, no smear/bigram/VE/LN scale/softcap, XSA everywhere, other RoPE base
+    "plain": dict(NUM_LAYERS=3, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=1, ROPE_DIMS=8, VOCAB_SIZE=96,
+                  TIE_EMBEDDINGS=0, MLP_NEGATIVE_SLOPE=0, SMEAR_ENABLED=0, BIGRAM_VOCAB_SIZE=0, VE_ENABLED=0,
+                  LN_SCALE=0, LOGIT_SOFTCAP=0, XSA_LAST_N=3, ROPE_BASE=500, MLP_MULT=2),
+    # no GQA, full-width RoPE, no XSA, VE on layer 0
+    "mha": dict(NUM_LAYERS=2, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=2, ROPE_DIMS=16, VOCAB_SIZE=64,
+                BIGRAM_VOCAB_SIZE=32, BIGRAM_DIM=8, VE_DIM=8, VE_LAYERS="0", XSA_LAST_N=0),
+}
+
+
+def feature_model(name: str, seed: int = 0, backend: str = "math") -> tg.GPT:
+    """A tiny GPT with non-zero random values everywhere (zero-initialised banks and tables included)."""
+    cfg = make_cfg(**MODEL_CONFIGS[name])
+    torch.manual_seed(seed)
+    model = tg.GPT(cfg, backend)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.ndim >= 2 and "emb" not in n and n != "skip_weights" and "resid_mix" not in n:
+                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+            elif p.ndim >= 2 and "emb" in n:
+                p.copy_(torch.randn_like(p) * 0.5)
+            else:
+                p.add_(torch.randn_like(p) * 0.4)
+    return model

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton")
 
 import train_gpt as tg  # noqa: E402
-from test_train_core import make_cfg, random_model, rope_reference  # noqa: E402
+from conftest import feature_model, make_cfg, rope_reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FP32_EPS = torch.finfo(torch.float32).eps  # the kernel's and the compiled model's rms_norm epsilon
@@ -238,7 +238,7 @@ def test_inductor_sees_each_kernel_write_only_its_outputs():
 @pytest.mark.parametrize("name", ["full", "plain"])
 def test_model_with_triton_kernel_equals_model_with_torch_ops(name):
     """Same weights, KERNELS=triton vs torch: logits, loss and every gradient (fp32, CPU)."""
-    ref = random_model(name).to(DEV)
+    ref = feature_model(name).to(DEV)
     model = tg.GPT(ref.cfg, "math", tg.TRITON_OPS).to(DEV)
     model.load_state_dict(ref.state_dict())
     V = ref.cfg.vocab_size

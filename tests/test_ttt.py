@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_scorer, run_script, spawn, tiny_env
+from conftest import make_scorer, perturbed_model, run_script, spawn, tiny_cfg, tiny_env
 import train_gpt as tg
 
 CPU = torch.device("cpu")
@@ -33,28 +33,12 @@ V = 512
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_cfg(**kw) -> tg.Hyperparameters:
-    base = dict(num_layers=2, model_dim=32, num_heads=2, num_kv_heads=1, rope_dims=8, vocab_size=V,
-                bigram_vocab_size=64, bigram_dim=16, ve_dim=16, ve_layers="1", xsa_last_n=1,
-                train_seq_len=32, eval_seq_len=32, eval_stride=8, ttt_chunk_tokens=64, ttt_batch_seqs=2,
-                ttt_lr=0.02, ttt_epochs=2)
-    base.update(kw)
-    return dataclasses.replace(tg.Hyperparameters(), **base)
+def ttt_cfg(**kw) -> tg.Hyperparameters:
+    return tiny_cfg(**(dict(ttt_chunk_tokens=64, ttt_batch_seqs=2, ttt_lr=0.02, ttt_epochs=2) | kw))
 
 
 def random_model(cfg: tg.Hyperparameters, seed: int) -> tg.GPT:
-    """Non-zero weights everywhere (the init zeroes the out/down banks and the bigram table)."""
-    torch.manual_seed(seed)
-    model = tg.build_model(cfg, tg.Runtime())
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("_bank"):
-                p.normal_(0, 0.1)
-            elif name.endswith("embed.weight") or name == "tok_emb.weight":
-                p.normal_(0, 0.3)
-            else:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return perturbed_model(cfg, seed, bank_std=0.1, table_std=0.3)
 
 
 def make_luts(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -124,7 +108,7 @@ def test_changing_later_tokens_changes_nothing_before(monkeypatch, p):
     later tokens only enter causally masked positions). C = 72 is no multiple of T = 32 (each chunk ends
     with an 8-target sequence whose input runs past the chunk); p = 4C changes the last target of chunk
     3, p = 4C + 1 the first target of chunk 4 (chunk 4's weights must still be equal)."""
-    cfg = tiny_cfg(ttt_chunk_tokens=72)
+    cfg = ttt_cfg(ttt_chunk_tokens=72)
     n_targets = 6 * 72 + 37  # 7 chunks, the last partial
     a = make_tokens(n_targets + 1, seed=1)
     b = a.clone()
@@ -227,7 +211,7 @@ def test_weights_at_each_chunk_equal_training_on_earlier_chunks_only():
     of 64 and 16 targets; 350 targets = 5 chunks (the last partial). Tolerances (fp32 sums in another
     order and shape; observed 5e-7, 8e-6, 1e-9): weights 5e-6 relative (per tensor, norm), the TTT change
     of each tensor 1e-4 relative, score 1e-6 relative; the final weights are exactly the last chunk's."""
-    cfg = tiny_cfg(ttt_chunk_tokens=80, ttt_batch_seqs=2, ttt_epochs=2, ttt_lr=0.02, ttt_grad_clip=3.5)
+    cfg = ttt_cfg(ttt_chunk_tokens=80, ttt_batch_seqs=2, ttt_epochs=2, ttt_lr=0.02, ttt_grad_clip=3.5)
     tokens, luts = make_tokens(351, seed=4), make_luts(1)
     model = random_model(cfg, seed=5)
     init = snapshot(model)
@@ -271,7 +255,7 @@ def _loaded(cfg, state) -> tg.GPT:
 def test_epochs_zero_is_plain_scoring_and_every_target_scored_once(monkeypatch, n_targets, chunk, stride):
     """Loss/bpb 1e-12 relative (the float64 sums are grouped per chunk instead of per batch), tokens and
     bytes exact, weights exactly unchanged. Coverage from the windows each chunk really scored."""
-    cfg = tiny_cfg(ttt_chunk_tokens=chunk, eval_stride=stride, ttt_epochs=0)
+    cfg = ttt_cfg(ttt_chunk_tokens=chunk, eval_stride=stride, ttt_epochs=0)
     tokens, luts = make_tokens(n_targets + 1, seed=6), make_luts(2)
     model = random_model(cfg, seed=7)
     before = snapshot(model)
@@ -298,7 +282,7 @@ def test_training_does_not_change_what_is_scored(n_targets, chunk, stride):
     those that scored the last chunk (it is never trained on; with one chunk nothing is trained: the
     cosine lr is 0 only at the last of several chunks, so this case is the one that shows it), and the
     loss changes iff there was a chunk to train on."""
-    cfg = tiny_cfg(ttt_chunk_tokens=chunk, eval_stride=stride, ttt_epochs=1)
+    cfg = ttt_cfg(ttt_chunk_tokens=chunk, eval_stride=stride, ttt_epochs=1)
     tokens, luts = make_tokens(n_targets + 1, seed=8), make_luts(3)
     model = random_model(cfg, seed=9)
     plain = make_scorer(cfg, tokens, luts)(model, stride)
@@ -321,7 +305,7 @@ TWO_RANK_CFG = dict(ttt_chunk_tokens=150, ttt_batch_seqs=3, ttt_epochs=2, ttt_lr
 
 
 def _ttt_on_rank(rank: int, world_size: int, tokens: list[int]):
-    cfg = tiny_cfg(**TWO_RANK_CFG)
+    cfg = ttt_cfg(**TWO_RANK_CFG)
     model = random_model(cfg, seed=10)
     scorer = make_scorer(cfg, torch.tensor(tokens), make_luts(4), batch_seqs=3, rank=rank, world_size=world_size)
     s = tg.legal_ttt(cfg, scorer.rt, model, scorer, tg.Logger("x", enabled=False))
@@ -334,7 +318,7 @@ def test_two_ranks_equal_one_rank():
     1e-5 relative (per tensor), tokens/bytes exact; both ranks end with identical weights."""
     tokens = make_tokens(621, seed=11).tolist()
     one_score, one_w = _ttt_on_rank(0, 1, tokens)
-    init = random_model(tiny_cfg(**TWO_RANK_CFG), seed=10).state_dict()
+    init = random_model(ttt_cfg(**TWO_RANK_CFG), seed=10).state_dict()
     (s0, w0), (s1, w1) = spawn(_ttt_on_rank, 2, tokens)
     assert s0 == s1 and all(np.array_equal(w0[n], w1[n]) for n in w0)
     assert s0[2:] == one_score[2:] and s0[2] == 620
@@ -351,7 +335,7 @@ def test_two_ranks_equal_one_rank():
 def test_freeze_first_block():
     """Block 0's bank rows (qo[0], qo[L], kv[0], kv[L], mlp_up[0], mlp_down[0]) and control tensors are
     bit-identical after TTT; block 1's rows and every other parameter changed."""
-    cfg = tiny_cfg(ttt_freeze_blocks=1, ttt_chunk_tokens=64, ttt_epochs=2)
+    cfg = ttt_cfg(ttt_freeze_blocks=1, ttt_chunk_tokens=64, ttt_epochs=2)
     L = cfg.num_layers
     tokens = make_tokens(260, seed=12)
     model = random_model(cfg, seed=13)

@@ -12,35 +12,24 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import spawn
+from conftest import perturbed_model, spawn, tiny_cfg
 
 CPU = torch.device("cpu")
 V, T, GLOBAL_SEQS = 64, 16, 6  # 6 sequences: splits evenly over 1, 2 and 3 ranks
 NS_A, NS_B, NS_C = 3.4445, -4.7750, 2.0315  # REFERENCE.md: the seed system's quintic coefficients
-BANKS = ("qo_bank", "kv_bank", "mlp_up_bank", "mlp_down_bank")
-TOKEN_TABLES = ("tok_emb.weight", "bigram.embed.weight", "ve.embed.weight")
+BANKS = ("qo_bank", "kv_bank", "mlp_up_bank", "mlp_down_bank")  # REFERENCE.md's four banks: Muon's
+TOKEN_TABLES = ("tok_emb.weight", "bigram.embed.weight", "ve.embed.weight")  # the token AdamW group
 
 
-def tiny_cfg(**overrides) -> tg.Hyperparameters:
-    """d=32, L=2, V=64: banks qo (4,32,32), kv (4,16,32), mlp_up (2,96,32), mlp_down (2,32,96)."""
-    base = dict(num_layers=2, model_dim=32, num_heads=2, num_kv_heads=1, rope_dims=8, vocab_size=V,
-                bigram_vocab_size=64, bigram_dim=16, ve_dim=16, ve_layers="1", xsa_last_n=1,
-                train_seq_len=T, muon_reduce_dtype="fp32", grad_clip_norm=0.0, seed=1234)
-    base.update(overrides)
-    cfg = dataclasses.replace(tg.Hyperparameters(), **base)
-    cfg.validate()
-    return cfg
+def opt_cfg(**overrides) -> tg.Hyperparameters:
+    """V=64, T=16, fp32 Muon, no clipping unless asked."""
+    return tiny_cfg(**(dict(vocab_size=V, train_seq_len=T, muon_reduce_dtype="fp32", grad_clip_norm=0.0, seed=1234)
+                       | overrides))
 
 
 def make_model(cfg: tg.Hyperparameters, seed: int = 0) -> tg.GPT:
-    """The script's model, with every parameter perturbed so that all gradients are non-zero from the
-    first step (the zero-initialised attention-out / MLP-down banks would otherwise hide bugs)."""
-    torch.manual_seed(seed)
-    model = tg.build_model(cfg, tg.Runtime())
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    return model
+    """Every parameter perturbed so that all gradients are non-zero from the first step."""
+    return perturbed_model(cfg, seed, noise=0.02)
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,7 +167,7 @@ def train_worker(rank: int, world_size: int, overrides: dict, steps: int) -> dic
     the optimizer averages over ranks, so the result is the global mean's gradient). Returns final
     params, per-step returned norms, and on the first step: local pre-clip grads, the clipped grads the
     optimizer used (replicated grads; this rank's bank shards), and this rank's bank shard size."""
-    cfg = tiny_cfg(**overrides)
+    cfg = opt_cfg(**overrides)
     model = make_model(cfg)
     opt = tg.Optimizers(model, cfg, tg.Runtime(rank, world_size, rank))
     names = {id(p): n for n, p in model.named_parameters()}
@@ -242,7 +231,7 @@ def test_parallel_muon_matches_one_process(runs, world_size, clip):
     # e.g. bigram.scale, would otherwise inflate a plain relative error). Measured: <= 3e-6 (banks
     # <= 4e-7); differences come only from summation order.
     one = runs(1, clip)[0]
-    init = {n: _as_np(p) for n, p in make_model(tiny_cfg()).named_parameters()}
+    init = {n: _as_np(p) for n, p in make_model(opt_cfg()).named_parameters()}
     many = runs(world_size, clip)
     if clip:
         assert all(n > 2 * CLIP for n in one["norms"]), "clipping must bind for this test to mean anything"
@@ -344,7 +333,7 @@ def test_returned_norm_is_pre_clip_and_clip_off_leaves_grads():
     # Single process, direct: Optimizers.step returns torch's total norm of the grads (tolerance 1e-6
     # relative) whether or not clipping binds, and with GRAD_CLIP_NORM=0 the grads are untouched (exact).
     for clip in (0.0, CLIP):
-        cfg = tiny_cfg(grad_clip_norm=clip)
+        cfg = opt_cfg(grad_clip_norm=clip)
         model = make_model(cfg)
         opt = tg.Optimizers(model, cfg, tg.Runtime())
         x, y = global_batch(0)
@@ -368,7 +357,7 @@ def test_adamw_groups_match_torch_adamw(tie):
     # and weight decays REFERENCE.md gives: tables TIED_EMBED_LR (tied) or EMBED_LR (untied) with ADAM_WD,
     # everything else SCALAR_LR with ADAM_WD, lm_head HEAD_LR with no weight decay (the reference's plain
     # Adam). Clipping off, 5 steps with a changing lr scale. Tolerance: relative 1e-6 per tensor.
-    cfg = tiny_cfg(tie_embeddings=tie, adam_wd=0.1, beta1=0.8, beta2=0.9, adam_eps=1e-6)
+    cfg = opt_cfg(tie_embeddings=tie, adam_wd=0.1, beta1=0.8, beta2=0.9, adam_eps=1e-6)
     model = make_model(cfg)
     opt = tg.Optimizers(model, cfg, tg.Runtime())
     table_lr = cfg.tied_embed_lr if tie else cfg.embed_lr
@@ -430,7 +419,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("overrides", list(CONFIGS.values()), ids=list(CONFIGS))
 def test_parameter_table_covers_every_parameter_once(overrides):
-    cfg = tiny_cfg(**overrides)
+    cfg = opt_cfg(**overrides)
     model = tg.build_model(cfg, tg.Runtime())
     groups = tg.group_parameters(model)
     assert set(groups) == {g for g, _ in tg.PARAM_TABLE} == {"muon", "token", "head", "scalar"}
@@ -472,7 +461,7 @@ def test_parameter_table_covers_every_parameter_once(overrides):
 def roundtrip_worker(rank: int, world_size: int, overrides: dict) -> dict:
     """Step 3, save (model + optimizers), step 3 more -> A. Fresh model (other seed) and fresh
     Optimizers, load both, step the same 3 -> B. Also C: load the model but not the optimizer state."""
-    cfg = tiny_cfg(**overrides)
+    cfg = opt_cfg(**overrides)
     d = tg.Runtime(rank, world_size, rank)
 
     def run(model, opt, steps):

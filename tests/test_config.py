@@ -1,0 +1,170 @@
+"""Config: Hyperparameters from the environment against REFERENCE.md's names and defaults, strict parsing,
+refusals that name the variable."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import (MODEL_CONFIGS, SCRIPT, TINY_VOCAB, feature_model, make_cfg, rms, rope_reference, run_script,
+                      spawn, tiny_env, write_shard)
+
+import train_gpt as tg
+
+CPU = torch.device("cpu")
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# =============================================================================================
+# 1. Config
+# =============================================================================================
+
+# REFERENCE.md "Settings: names and defaults" (TTT_* excluded: checked separately below).
+REFERENCE_DEFAULTS = dict(
+    data_path="./data/datasets/fineweb10B_sp1024", tokenizer_path="./data/tokenizers/fineweb_1024_bpe.model",
+    seed=1337, vocab_size=1024,
+    iterations=20000, warmup_steps=20, warmdown_iters=3500, max_wallclock_seconds=600, train_batch_tokens=786432,
+    train_seq_len=2048, grad_accum_steps=0,
+    num_layers=11, model_dim=512, num_heads=8, num_kv_heads=4, mlp_mult=3.0, mlp_negative_slope=0.5,
+    tie_embeddings=True, tied_embed_init_std=0.005, rope_base=10000, rope_dims=16, logit_softcap=30,
+    qk_gain_init=1.5, ln_scale=True, xsa_last_n=4, bigram_vocab_size=1536, bigram_dim=128, smear_enabled=True,
+    ve_enabled=True, ve_dim=128, ve_layers="9,10",
+    matrix_lr=0.025, scalar_lr=0.025, tied_embed_lr=0.035, embed_lr=0.6, head_lr=0.008, muon_momentum=0.99,
+    muon_momentum_warmup_start=0.92, muon_momentum_warmup_steps=1500, muon_backend_steps=5, muon_wd=0.04,
+    adam_wd=0.04, beta1=0.9, beta2=0.95, adam_eps=1e-8, grad_clip_norm=0.3,
+    ema_enabled=True, late_qat_threshold=0.15,
+    eval_seq_len=2048, eval_stride=64, val_loss_every=4000, val_batch_size=524288, train_log_every=500,
+    compressor="auto",
+)
+
+
+def test_defaults_match_reference_settings():
+    cfg, warnings = tg.Hyperparameters.from_env({})
+    assert warnings == []
+    for name, want in REFERENCE_DEFAULTS.items():
+        got = getattr(cfg, name)
+        assert isinstance(got, bool) == isinstance(want, bool) and isinstance(got, str) == isinstance(want, str), name
+        assert got == want, f"{name}: {got!r} != reference default {want!r}"
+    # deliberate: an EMA horizon scaled to the run, not the reference's fixed 0.997 (0.015 bpb worse post-EMA at
+    # 1,500 proxy steps)
+    assert (cfg.ema_horizon, cfg.ema_decay) == (0.08, 0.0)
+    # derived shapes of the seed system: head_dim 64, KV width 256, value embeddings in layers 9 and 10
+    assert cfg.head_dim == 64 and cfg.num_kv_heads * cfg.head_dim == 256 and cfg.ve_layer_list == [9, 10]
+    # RUN_ID unset: a random id, different each time; the config is frozen
+    cfg2, _ = tg.Hyperparameters.from_env({})
+    assert cfg.run_id and cfg2.run_id and cfg.run_id != cfg2.run_id
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.num_layers = 3
+
+
+def test_env_values_are_parsed_into_fields():
+    cfg = make_cfg(NUM_LAYERS="3", MATRIX_LR="0.5", TIE_EMBEDDINGS="0", VE_LAYERS="1,2", COMPRESSOR="lzma",
+                   RUN_ID="abc", ROPE_BASE="22082")
+    assert (cfg.num_layers, cfg.matrix_lr, cfg.tie_embeddings, cfg.ve_layer_list, cfg.compressor, cfg.run_id,
+            cfg.rope_base) == (3, 0.5, False, [1, 2], "lzma", "abc", 22082.0)
+
+
+@pytest.mark.parametrize("key, closest", [("MUON_MOMENTM", "MUON_MOMENTUM"), ("EMA_DECAI", "EMA_DECAY"),
+                                          ("NUM_LAYER", "NUM_LAYERS"), ("MATRIX_LRR", "MATRIX_LR"),
+                                          ("WARMDOWN_ITER", "WARMDOWN_ITERS"), ("TIE_EMBEDDING", "TIE_EMBEDDINGS"),
+                                          ("LATE_QAT_THRESH", "LATE_QAT_THRESHOLD"), ("EVAL_STRIDES", "EVAL_STRIDE")])
+def test_unknown_lookalike_is_an_error_naming_the_closest_field(key, closest):
+    with pytest.raises(ValueError) as e:
+        tg.Hyperparameters.from_env({key: "0.9"})
+    assert key in str(e.value) and re.search(rf"\b{closest}\b", str(e.value)), str(e.value)
+
+
+@pytest.mark.parametrize("key, raw", [("NUM_LAYERS", "abc"), ("NUM_LAYERS", "3.5"), ("NUM_LAYERS", ""),
+                                      ("MATRIX_LR", "fast"), ("TIE_EMBEDDINGS", "yes"), ("EMA_ENABLED", "2"),
+                                      ("SMEAR_ENABLED", "on"), ("COMPRESSOR", "gzip"), ("DEVICE", "tpu"),
+                                      ("ATTN_BACKEND", "xformers")])
+def test_malformed_values_are_errors_naming_the_variable(key, raw):
+    with pytest.raises(ValueError) as e:
+        tg.Hyperparameters.from_env({key: raw})
+    assert key in str(e.value), str(e.value)
+
+
+def test_malformed_ve_layers_is_an_error_naming_the_variable():
+    """VE_LAYERS is a str field split into ints later: a bad list must still name the variable."""
+    with pytest.raises(ValueError) as e:
+        tg.Hyperparameters.from_env({"VE_LAYERS": "nine,ten"})
+    assert "VE_LAYERS" in str(e.value), str(e.value)
+
+
+def test_negative_mlp_slope_is_an_error():
+    """The MLP ran relu^2 for any slope <= 0, so a negative MLP_NEGATIVE_SLOPE was silently not used."""
+    with pytest.raises(ValueError, match="MLP_NEGATIVE_SLOPE"):
+        tg.Hyperparameters.from_env({"MLP_NEGATIVE_SLOPE": "-0.5"})
+    assert make_cfg(MLP_NEGATIVE_SLOPE="0").mlp_negative_slope == 0.0  # relu^2 stays allowed
+
+
+def test_negative_grad_accum_steps_is_an_error():
+    """GRAD_ACCUM_STEPS=-2 would give range(-2) micro-steps (no data, no gradients): reject it with a clear error."""
+    with pytest.raises(ValueError) as e:
+        cfg, _ = tg.Hyperparameters.from_env({"GRAD_ACCUM_STEPS": "-2"})
+        tg.grad_accum_steps(cfg, 1)
+    assert "GRAD_ACCUM_STEPS" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("raw, want", [("0", False), ("1", True), ("true", True), ("false", False),
+                                       ("True", True), ("FALSE", False)])
+def test_strict_bool_parser_accepts(raw, want):
+    assert make_cfg(TIE_EMBEDDINGS=raw).tie_embeddings is want
+    assert make_cfg(EMA_ENABLED=raw).ema_enabled is want
+
+
+DROPPED = ["SWA_ENABLED", "SWA_EVERY", "LAWA_K", "LAWA_EVERY", "MTP_NUM_HEADS", "MTP_LOSS_WEIGHT", "LATE_QAT",
+           "QAT_ENABLED", "GATED_ATTENTION", "VALUE_RESIDUAL", "DTG_ENABLED"]
+
+
+def test_reference_dropped_variables_only_warn():
+    base, _ = tg.Hyperparameters.from_env({"RUN_ID": "x"})
+    cfg, warnings = tg.Hyperparameters.from_env({"RUN_ID": "x", **{k: "1" for k in DROPPED}})
+    assert cfg == base  # nothing changed
+    assert len(warnings) == len(DROPPED)
+    for k in DROPPED:
+        assert sum(k in w for w in warnings) == 1, (k, warnings)
+
+
+FOREIGN = ["PATH", "HOME", "USER", "SHELL", "PWD", "LANG", "TERM", "HOSTNAME", "LD_LIBRARY_PATH", "PYTHONPATH",
+           "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "MASTER_PORT", "MASTER_ADDR", "RANK",
+           "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+           "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+           "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+           "NCCL_DEBUG", "PYTORCH_CUDA_ALLOC_CONF", "TRITON_CACHE_DIR", "HF_HOME", "NVIDIA_VISIBLE_DEVICES"]
+
+
+def test_unrelated_variables_are_ignored():
+    base, _ = tg.Hyperparameters.from_env({"RUN_ID": "x"})
+    cfg, warnings = tg.Hyperparameters.from_env({"RUN_ID": "x", **{k: "7" for k in FOREIGN}})
+    assert cfg == base and warnings == []
+
+
+def test_reference_ttt_settings_are_fields():
+    """REFERENCE.md lists TTT_ENABLED ... TTT_GRAD_CLIP among the settings: they are read (never silently
+    ignored, the reference's failure mode), with the reference's defaults, and a misspelling is an error."""
+    cfg, warnings = tg.Hyperparameters.from_env({"TTT_ENABLED": "1", "TTT_LR": "0.004", "TTT_EPOCHS": "2"})
+    assert (cfg.ttt_enabled, cfg.ttt_lr, cfg.ttt_epochs) == (True, 0.004, 2) and warnings == []
+    d = tg.Hyperparameters()
+    assert (d.ttt_enabled, d.ttt_lr, d.ttt_epochs, d.ttt_chunk_tokens, d.ttt_freeze_blocks, d.ttt_momentum,
+            d.ttt_batch_seqs, d.ttt_grad_clip) == (False, 0.006, 3, 32768, 0, 0.9, 32, 1.0)
+    with pytest.raises(ValueError, match="TTT_EPOCHS"):
+        tg.Hyperparameters.from_env({"TTT_EPOCH": "2"})
+
+
+def test_script_run_with_misspelled_variable_fails_naming_it(dataset, tokenizer_path, tmp_path):
+    r = run_script(tiny_env(dataset, tokenizer_path, MUON_MOMENTM="0.9"), tmp_path)
+    assert r.returncode != 0
+    assert "MUON_MOMENTM" in r.stderr and "closest valid setting: MUON_MOMENTUM" in r.stderr, r.stderr[-2000:]

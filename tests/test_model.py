@@ -1,0 +1,314 @@
+"""Model: the banked GPT against a plain per-layer model written here from REFERENCE.md, causality, the init,
+the int6 grid of late QAT, and the FlashAttention-3 adapter."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import (MODEL_CONFIGS, SCRIPT, TINY_VOCAB, feature_model, make_cfg, rms, rope_reference, run_script,
+                      spawn, tiny_env, write_shard)
+
+import train_gpt as tg
+
+CPU = torch.device("cpu")
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# =============================================================================================
+# 5. Model: banked forward vs a plain per-layer model
+# =============================================================================================
+
+def causal_attention_reference(q_BTHD, k_BTKD, v_BTKD) -> torch.Tensor:
+    """GQA by repeating each KV head for its H/K query heads, explicit masked softmax."""
+    T, H, hd = q_BTHD.shape[1], q_BTHD.shape[2], q_BTHD.shape[3]
+    rep = H // k_BTKD.shape[2]
+    k, v = k_BTKD.repeat_interleave(rep, dim=2), v_BTKD.repeat_interleave(rep, dim=2)
+    s = torch.einsum("bthd,bshd->bhts", q_BTHD, k) / math.sqrt(hd)
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", torch.softmax(s, dim=-1), v)
+
+
+def xsa_reference(y_BTHD, v_BTKD) -> torch.Tensor:
+    """Per head: remove the component along its own position's (normalised) value vector."""
+    H, K = y_BTHD.shape[2], v_BTKD.shape[2]
+    out = []
+    for h in range(H):
+        vh = v_BTKD[:, :, h // (H // K)]
+        n = vh / vh.norm(dim=-1, keepdim=True)
+        out.append(y_BTHD[:, :, h] - (y_BTHD[:, :, h] * n).sum(-1, keepdim=True) * n)
+    return torch.stack(out, dim=2)
+
+
+class PlainGPT(nn.Module):
+    """The seed model written per layer with nn.Linear modules, from REFERENCE.md's description; weights are
+    copied from a banked tg.GPT (bank slices -> Linear weights), optionally transformed (e.g. int6 quantised)."""
+
+    def __init__(self, model: tg.GPT, transform=lambda w: w):
+        super().__init__()
+        cfg = self.cfg = model.cfg
+        L = cfg.num_layers
+
+        def linear(w):
+            m = nn.Linear(w.shape[1], w.shape[0], bias=False).to(w.dtype)
+            with torch.no_grad():
+                m.weight.copy_(transform(w.detach().clone()))
+            return m
+        self.layers = nn.ModuleList()
+        for i in range(L):
+            layer = nn.Module()
+            layer.q, layer.o = linear(model.qo_bank[i]), linear(model.qo_bank[L + i])
+            layer.k, layer.v = linear(model.kv_bank[i]), linear(model.kv_bank[L + i])
+            layer.up, layer.down = linear(model.mlp_up_bank[i]), linear(model.mlp_down_bank[i])
+            self.layers.append(layer)
+        self.p = {n: t.detach().clone() for n, t in model.named_parameters() if not n.endswith("_bank")}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        c, p = self.cfg, self.p
+        B, T = ids.shape
+        L, D, H, K, hd = c.num_layers, c.model_dim, c.num_heads, c.num_kv_heads, c.head_dim
+        x = p["tok_emb.weight"][ids]
+        if c.bigram_vocab_size > 0:
+            m = c.bigram_vocab_size - 1
+            h = torch.tensor([[m] + [((36313 * r[t]) ^ (27191 * r[t - 1])) % m for t in range(1, T)]
+                              for r in ids.tolist()])
+            x = x + p["bigram.scale"] * (p["bigram.embed.weight"][h] @ p["bigram.proj.weight"].T)
+        x = rms(x)
+        if c.smear_enabled:
+            g = torch.sigmoid(p["smear_gate"])
+            x = (1 - g) * x + g * torch.cat((torch.zeros_like(x[:, :1]), x[:, :-1]), dim=1)
+        x0, skips, n_enc = x, [], L // 2
+        ve_layers = c.ve_layer_list
+        ve = p["ve.scale"] * (p["ve.embed.weight"][ids] @ p["ve.proj.weight"].T) if ve_layers else None
+        slope = c.mlp_negative_slope
+        for i, layer in enumerate(self.layers):
+            if i >= n_enc and skips:
+                x = x + p["skip_weights"][i - n_enc] * skips.pop()
+            mix = p[f"blocks.{i}.resid_mix"]
+            x = mix[0] * x + mix[1] * x0
+            s = 1 / math.sqrt(i + 1) if c.ln_scale else 1.0
+            a = rms(x) * s
+            q, k, v = layer.q(a).view(B, T, H, hd), layer.k(a).view(B, T, K, hd), layer.v(a)
+            if i in ve_layers:
+                v = v + p["ve_layer_scales"][ve_layers.index(i)] * ve
+            v = v.view(B, T, K, hd)
+            q = rope_reference(rms(q), c.rope_dims, c.rope_base) * p[f"blocks.{i}.q_gain"][:, None]
+            k = rope_reference(rms(k), c.rope_dims, c.rope_base)
+            y = causal_attention_reference(q, k, v)
+            if i >= L - c.xsa_last_n:
+                y = xsa_reference(y, v)
+            x = x + p[f"blocks.{i}.attn_scale"] * layer.o(y.reshape(B, T, D))
+            u = layer.up(rms(x) * s)
+            u = torch.where(u > 0, u, slope * u) if slope > 0 else torch.clamp(u, min=0)
+            x = x + p[f"blocks.{i}.mlp_scale"] * layer.down(u * u)
+            if i < n_enc:
+                skips.append(x)
+        logits = rms(x) @ (p["tok_emb.weight"] if c.tie_embeddings else p["lm_head.weight"]).T
+        return c.logit_softcap * torch.tanh(logits / c.logit_softcap) if c.logit_softcap > 0 else logits
+
+
+@pytest.mark.parametrize("name", list(MODEL_CONFIGS))
+def test_banked_model_equals_plain_per_layer_model(name):
+    model = feature_model(name)
+    V = model.cfg.vocab_size
+    g = torch.Generator().manual_seed(1)
+    ids, targets = torch.randint(0, V, (2, 32), generator=g), torch.randint(0, V, (2, 32), generator=g)
+    ref = PlainGPT(model)
+    with torch.no_grad():
+        got, want = model.logits(ids), ref(ids)
+        loss = model(ids, targets)
+    assert want.abs().max() > 1.0  # logits far from trivial
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32
+    torch.testing.assert_close(loss, F.cross_entropy(want.flatten(0, 1), targets.flatten()), rtol=1e-5, atol=1e-6)
+
+
+def test_rope_tables_cover_the_longest_sequence_and_refuse_longer():
+    cfg = make_cfg(TRAIN_SEQ_LEN=16, EVAL_SEQ_LEN=24, EVAL_STRIDE=8)
+    model = tg.GPT(cfg)
+    assert model.rope_cos.shape == model.rope_sin.shape == (24, cfg.rope_dims // 2)
+    assert "rope_cos" not in model.state_dict()  # rebuilt from the config, never exported
+    with torch.no_grad():
+        assert model.logits(torch.zeros(1, 24, dtype=torch.long)).shape == (1, 24, cfg.vocab_size)
+        with pytest.raises(ValueError, match="sequence length 25 > max"):
+            model.logits(torch.zeros(1, 25, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", ["full", "mha"])
+def test_model_is_causal(name):
+    model = feature_model(name)
+    V, T = model.cfg.vocab_size, 32
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, V, (2, T), generator=g)
+    with torch.no_grad():
+        base = model.logits(ids)
+        for t in (0, 5, 17, 30):
+            other = ids.clone()
+            other[:, t + 1:] = (ids[:, t + 1:] + torch.randint(1, V, (2, T - t - 1), generator=g)) % V
+            changed = model.logits(other)
+            assert (changed[:, : t + 1] - base[:, : t + 1]).abs().max() <= 1e-6, f"future tokens leak into {t}"
+            assert (changed[:, t + 1] - base[:, t + 1]).abs().max() > 1e-3  # the test can see a change
+    # gradient form: d logits[:, t] / d (token embeddings at s) == 0 for every s > t
+    captured = {}
+
+    def keep(_, __, out):
+        out.retain_grad()
+        captured["emb"] = out
+    handle = model.tok_emb.register_forward_hook(keep)
+    try:
+        for t in (3, 20):
+            model.zero_grad()
+            model.logits(ids)[:, t].square().sum().backward()
+            grad = captured["emb"].grad
+            assert grad[:, t + 1:].abs().max() == 0.0
+            assert grad[:, : t + 1].abs().max() > 0.0
+    finally:
+        handle.remove()
+
+
+def test_init_facts():
+    cfg = make_cfg(NUM_LAYERS=2, MODEL_DIM=128, NUM_HEADS=4, NUM_KV_HEADS=2, VOCAB_SIZE=512, BIGRAM_VOCAB_SIZE=64,
+                   BIGRAM_DIM=64, VE_DIM=64, VE_LAYERS="1", XSA_LAST_N=1)
+    torch.manual_seed(0)
+    m = tg.build_model(cfg, tg.Runtime())
+    L, D, kv, mlp = 2, 128, 64, 384
+    assert m.qo_bank.shape == (2 * L, D, D) and m.kv_bank.shape == (2 * L, kv, D)
+    assert m.mlp_up_bank.shape == (L, mlp, D) and m.mlp_down_bank.shape == (L, D, mlp)
+    assert all(p.dtype == torch.float32 for p in m.parameters())  # CPU: everything fp32
+    assert torch.count_nonzero(m.qo_bank[L:]) == 0 and torch.count_nonzero(m.mlp_down_bank) == 0  # out, down zero
+
+    def orthonormal_rows(w):  # W W^T = I (wide or square)
+        return torch.allclose(w @ w.T, torch.eye(w.shape[0]), atol=1e-5)
+
+    def orthonormal_cols(w):  # W^T W = I (tall)
+        return torch.allclose(w.T @ w, torch.eye(w.shape[1]), atol=1e-5)
+    for i in range(L):
+        assert orthonormal_rows(m.qo_bank[i]) and orthonormal_cols(m.qo_bank[i])  # Q square
+        assert orthonormal_rows(m.kv_bank[i]) and orthonormal_rows(m.kv_bank[L + i])  # K, V (64 x 128)
+        assert orthonormal_cols(m.mlp_up_bank[i])  # up (384 x 128)
+    assert not torch.allclose(m.qo_bank[0], m.qo_bank[1])  # each slice its own matrix
+    assert orthonormal_cols(m.bigram.proj.weight)  # 128 x 64: a linear >= 64x64
+    assert orthonormal_rows(m.ve.proj.weight)  # 64 x 64
+    w = m.tok_emb.weight  # 65,536 samples: std estimate within ~0.3%
+    assert w.std().item() == pytest.approx(0.005, rel=0.03) and abs(w.mean().item()) < 2e-4
+    assert m.ve.embed.weight.std().item() == pytest.approx(0.01, rel=0.05)
+    assert torch.count_nonzero(m.bigram.embed.weight) == 0
+    assert m.bigram.scale.item() == pytest.approx(0.05) and m.ve.scale.item() == pytest.approx(0.1)
+    assert torch.equal(m.ve_layer_scales, torch.ones(1)) and torch.equal(m.skip_weights, torch.ones(1, D))
+    assert torch.count_nonzero(m.smear_gate) == 0
+    for b in m.blocks:
+        assert torch.equal(b.resid_mix, torch.stack((torch.ones(D), torch.zeros(D))))
+        assert torch.equal(b.attn_scale, torch.ones(D)) and torch.equal(b.mlp_scale, torch.ones(D))
+        assert torch.equal(b.q_gain, torch.full((4,), 1.5))
+
+
+def int6_reference(w: torch.Tensor, floor: float = 1 / 31) -> torch.Tensor:
+    """Per row (last dim): scale = max(max|w| / 31, floor), codes round(w / scale) in [-31, 31]."""
+    s = torch.clamp(w.abs().amax(-1, keepdim=True) / 31, min=floor).half().float()  # scales are stored fp16
+    return torch.clamp(torch.round(w / s), -31, 31) * s
+
+
+def test_fake_quant_int6_grid_and_straight_through():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 40, generator=g) * torch.tensor([0.01, 0.1, 0.5, 1.0, 3.0, 30.0])[:, None]
+    w.requires_grad_(True)
+    q = tg.fake_quant_int6(w, 1 / 31)
+    s = torch.clamp(w.detach().abs().amax(-1, keepdim=True) / 31, min=1 / 31).half().float()
+    codes = q.detach() / s
+    assert (codes - codes.round()).abs().max() < 1e-4 and codes.abs().max() <= 31 + 1e-4  # on the int6 grid
+    assert torch.allclose(q.detach(), int6_reference(w.detach()), atol=1e-6)
+    assert ((q.detach() - w.detach()).abs() <= s / 2 + 1e-6).all()  # round to nearest, no clipping
+    grad_out = torch.randn(6, 40, generator=g)
+    (q * grad_out).sum().backward()
+    assert torch.equal(w.grad, grad_out)  # straight-through estimator
+
+
+@pytest.mark.parametrize("floor", [1 / 31, 1e-4])
+def test_qat_trains_on_the_grid_the_export_writes(floor):
+    """One int6 grid: late QAT's fake quantisation equals the export's quantise-dequantise of the same rows
+    when the export's clip search keeps the max (its 1.0 candidate)."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(3, 7, 50, generator=g) * torch.tensor([0.003, 0.05, 2.0])[:, None, None]
+    codes, scales = tg.quantize_rows(w.reshape(-1, 50), 31, (1.0,), floor)
+    exported = (codes.float() * scales.float()[:, None]).view_as(w)
+    assert torch.equal(tg.fake_quant_int6(w, floor), exported)
+
+
+def test_qat_forward_uses_int6_banks():
+    model = feature_model("full")
+    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        plain = model.logits(ids)
+        model.qat_enabled = True
+        qat = model.logits(ids)
+        want = PlainGPT(model, transform=int6_reference)(ids)
+    assert (qat - plain).abs().max() > 1e-3
+    torch.testing.assert_close(qat, want, rtol=1e-5, atol=1e-5)
+
+
+# =============================================================================================
+# 6. FlashAttention-3 adapter
+# =============================================================================================
+
+@pytest.fixture
+def fake_fa3(monkeypatch):
+    calls = []
+
+    def make(return_tuple: bool):
+        def flash_attn_func(q, k, v, causal=True):
+            """Stand-in for FA3: (B,T,H,D) q, (B,T,Hkv,D) k/v, causal GQA with an explicit softmax."""
+            calls.append(dict(q=q, k=k, v=v, causal=causal))
+            B, T, H, D = q.shape
+            rep = H // k.shape[2]
+            out = torch.empty_like(q)
+            for h in range(H):
+                s = q[:, :, h] @ k[:, :, h // rep].transpose(1, 2) / math.sqrt(D)  # (B, T, T)
+                s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+                out[:, :, h] = torch.softmax(s, dim=-1) @ v[:, :, h // rep]
+            return (out, torch.zeros(B, H, T)) if return_tuple else out
+        mod = types.ModuleType("flash_attn_interface")
+        mod.flash_attn_func = flash_attn_func
+        monkeypatch.setitem(sys.modules, "flash_attn_interface", mod)
+        return calls
+    return make
+
+
+@pytest.mark.parametrize("return_tuple", [True, False])
+def test_fa3_adapter_matches_math_backend(fake_fa3, return_tuple):
+    calls = fake_fa3(return_tuple)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 16, 4, 8, generator=g)
+    k, v = torch.randn(2, 16, 2, 8, generator=g), torch.randn(2, 16, 2, 8, generator=g)
+    got = tg.attention(q, k, v, "fa3")
+    assert len(calls) == 1
+    c = calls[0]
+    assert c["q"].shape == (2, 16, 4, 8) and c["k"].shape == (2, 16, 2, 8) and c["v"].shape == (2, 16, 2, 8)
+    assert torch.equal(c["q"], q) and torch.equal(c["k"], k) and torch.equal(c["v"], v) and c["causal"] is True
+    assert isinstance(got, torch.Tensor) and got.shape == q.shape
+    torch.testing.assert_close(got, tg.attention(q, k, v, "math"), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, causal_attention_reference(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+def test_fa3_backend_in_the_model(fake_fa3):
+    calls = fake_fa3(True)
+    math_model = feature_model("full")
+    fa3_model = feature_model("full", backend="fa3")
+    fa3_model.load_state_dict(math_model.state_dict())
+    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(fa3_model.logits(ids), math_model.logits(ids), rtol=1e-5, atol=1e-5)
+    assert len(calls) == math_model.cfg.num_layers
+    assert all(c["q"].shape == (2, 32, 4, 8) and c["k"].shape == (2, 32, 2, 8) for c in calls)
+    with pytest.raises(ValueError, match="ATTN_BACKEND=fa3 needs CUDA"):  # never silently on a CPU
+        tg.init_runtime(make_cfg(ATTN_BACKEND="fa3", DEVICE="cpu"), {})

@@ -1,0 +1,81 @@
+"""Runtime: the "auto" choices (gradient accumulation, inductor settings) resolved for this machine."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import (MODEL_CONFIGS, SCRIPT, TINY_VOCAB, feature_model, make_cfg, rms, rope_reference, run_script,
+                      spawn, tiny_env, write_shard)
+
+import train_gpt as tg
+
+CPU = torch.device("cpu")
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# =============================================================================================
+# 2. Gradient accumulation
+# =============================================================================================
+
+@pytest.mark.parametrize("world, accum", [(1, 8), (2, 4), (3, 2), (4, 2), (5, 1), (6, 1), (8, 1), (16, 1)])
+def test_auto_grad_accum_rule(world, accum):
+    cfg = make_cfg(TRAIN_BATCH_TOKENS=786432 if world != 5 else 10 * 2048 * 5)
+    assert tg.grad_accum_steps(cfg, world) == accum
+
+
+def test_grad_accum_divisibility():
+    default = make_cfg()
+    # 786432 / (3 * 2 * 2048) = 64: fine; 786432 / (5 * 1 * 2048) = 76.8: error
+    assert tg.grad_accum_steps(default, 3) == 2
+    with pytest.raises(ValueError, match="TRAIN_BATCH_TOKENS"):
+        tg.grad_accum_steps(default, 5)
+    # 524288 / (3 * 2 * 2048) = 42.67: error; 524288 / (4 * 2 * 2048) = 32: fine
+    cfg = make_cfg(TRAIN_BATCH_TOKENS=524288)
+    with pytest.raises(ValueError, match="TRAIN_BATCH_TOKENS"):
+        tg.grad_accum_steps(cfg, 3)
+    assert tg.grad_accum_steps(cfg, 4) == 2
+    # explicit accumulation: 786432 / (1 * 3 * 2048) = 128 fine, 786432 / (1 * 5 * 2048) = 76.8 error
+    assert tg.grad_accum_steps(make_cfg(GRAD_ACCUM_STEPS=3), 1) == 3
+    with pytest.raises(ValueError, match="GRAD_ACCUM_STEPS=5"):
+        tg.grad_accum_steps(make_cfg(GRAD_ACCUM_STEPS=5), 1)
+
+
+def test_configure_inductor_sets_mix_order_reductions_multi_stage_unless_the_env_sets_them(monkeypatch):
+    import torch._inductor.config as ic
+    if not hasattr(ic.triton, "mix_order_reduction"):
+        pytest.skip("this torch has no mix-order reductions")
+    multi = hasattr(ic.triton, "mix_order_reduction_allow_multi_stages")
+    monkeypatch.delenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES", raising=False)
+    for preset in (True, False):  # the user's explicit choice stands, whichever it is
+        monkeypatch.setattr(ic.triton, "mix_order_reduction", preset)
+        monkeypatch.setenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION", str(int(preset)))
+        tg.configure_inductor()
+        assert ic.triton.mix_order_reduction is preset
+    monkeypatch.delenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION")
+    if multi:
+        monkeypatch.setattr(ic.triton, "mix_order_reduction_allow_multi_stages", False)
+    tg.configure_inductor()
+    assert ic.triton.mix_order_reduction is multi  # single-stage only (older torch): off
+    if multi:
+        assert ic.triton.mix_order_reduction_allow_multi_stages is True
+        monkeypatch.setattr(ic.triton, "mix_order_reduction_allow_multi_stages", False)
+        monkeypatch.setenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES", "0")  # the user's: single-stage
+        tg.configure_inductor()
+        assert ic.triton.mix_order_reduction is False and ic.triton.mix_order_reduction_allow_multi_stages is False
+        monkeypatch.delenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES")
+        monkeypatch.delattr(ic.triton, "mix_order_reduction_allow_multi_stages")
+        tg.configure_inductor()
+        assert ic.triton.mix_order_reduction is False

@@ -1,0 +1,306 @@
+"""Training: warmup restore, CUDA graphs, schedules and the wallclock cap with a fake clock, EMA progress,
+non-finite losses over ranks."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import (MODEL_CONFIGS, SCRIPT, TINY_VOCAB, feature_model, make_cfg, rms, rope_reference, run_script,
+                      spawn, tiny_env, write_shard)
+
+import train_gpt as tg
+
+CPU = torch.device("cpu")
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# =============================================================================================
+# 7. Warmup restore
+# =============================================================================================
+
+def make_trainer(dataset, tokenizer_path, log=None, device=CPU, **overrides) -> tg.Trainer:
+    settings = dict(DEVICE=device.type, COMPILE_ENABLED="0", ATTN_BACKEND="math") | overrides
+    cfg, _ = tg.Hyperparameters.from_env(tiny_env(dataset, tokenizer_path, **settings))
+    rt = tg.init_runtime(cfg, {})  # one process, whatever this test process's environment says
+    torch.manual_seed(cfg.seed)
+    model = tg.build_model(cfg, rt)
+    loader = tg.TrainLoader(tg.shard_files(cfg.data_path, "train"), cfg, rt)
+    return tg.Trainer(cfg, rt, model, loader, log or tg.Logger(cfg.run_id, enabled=False))
+
+
+def assert_same(a, b, path="state"):
+    """Exact recursive equality of (optimizer) state dicts: tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (path, set(a) ^ set(b))
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+@pytest.mark.parametrize("steps_before", [0, 1])
+def test_warmup_restores_weights_optimizer_and_data(dataset, tokenizer_path, monkeypatch, steps_before):
+    tr = make_trainer(dataset, tokenizer_path, WARMUP_STEPS=3, LATE_QAT_THRESHOLD=0.15)
+    for s in range(steps_before):  # a non-empty optimizer state and a non-zero stream position must survive too
+        tr.step(s, 1.0)
+    weights = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    opt_state = copy.deepcopy(tr.opt.state_dict())
+    position = dict(tr.loader.state_dict())
+    seen = []
+    real_step = tg.Trainer.step
+
+    def spy(self, step, lr_scale):
+        seen.append(self.model.qat_enabled)
+        out = real_step(self, step, lr_scale)
+        seen.append(float(self.model.qo_bank.detach().norm()))
+        return out
+    monkeypatch.setattr(tg.Trainer, "step", spy)
+    tr.warmup()
+    monkeypatch.undo()
+    assert seen[0::2] == [False, False, True]  # the last warmup step compiles the QAT variant
+    assert len(set(seen[1::2])) == 3  # the warmup really moved the weights
+    assert tr.model.qat_enabled is False
+    assert_same(dict(tr.model.state_dict()), weights, "weights")
+    assert_same(tr.opt.state_dict(), opt_state, "optimizer")
+    if steps_before == 0:
+        assert len(tr.opt.adam.state) == 0 and len(tr.opt.muon.state) == 0
+    assert tr.loader.state_dict() == position
+    assert tr.opt.muon.pending == []
+
+
+def test_training_after_warmup_equals_training_without(dataset, tokenizer_path):
+    a = make_trainer(dataset, tokenizer_path, WARMUP_STEPS=3)
+    b = make_trainer(dataset, tokenizer_path, WARMUP_STEPS=3)
+    a.warmup()
+    la = [a.step(s, 1.0).item() for s in range(3)]
+    lb = [b.step(s, 1.0).item() for s in range(3)]
+    assert la == lb  # bit-exact: same data, same weights, same (empty) optimizer state
+    assert_same(dict(a.model.state_dict()), dict(b.model.state_dict()), "weights")
+
+
+def test_cuda_graphs_need_cuda(dataset, tokenizer_path):
+    with pytest.raises(ValueError, match="CUDA_GRAPHS=1 needs CUDA"):
+        make_trainer(dataset, tokenizer_path, CUDA_GRAPHS=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_train_exactly_as_eager(dataset, tokenizer_path):
+    """Warmup (it captures the plain and the late-QAT variant), then steps with and without QAT: losses and
+    weights bit-identical to the same run without graphs; the .grad buffers are never replaced."""
+    cuda = torch.device("cuda")
+    runs = [make_trainer(dataset, tokenizer_path, device=cuda, CUDA_GRAPHS=g, WARMUP_STEPS=2, LATE_QAT_THRESHOLD=0.15)
+            for g in (1, 0)]
+    losses = []
+    for tr in runs:
+        tr.warmup()
+        buffers = [p.grad for p in tr.model.parameters()]
+        out = []
+        for s in range(4):
+            tr.model.qat_enabled = s >= 2
+            out.append(tr.step(s, 1.0).item())
+        losses.append(out)
+        if tr.graphed:
+            assert sorted(tr.graphs) == [False, True]
+            assert all(a is b for a, b in zip(buffers, (p.grad for p in tr.model.parameters())))
+    assert losses[0] == losses[1]
+    assert_same(dict(runs[0].model.state_dict()), dict(runs[1].model.state_dict()), "weights")
+
+
+# =============================================================================================
+# 10. Schedules and the wallclock cap
+# =============================================================================================
+
+def test_lr_scale_iteration_mode():
+    cfg = make_cfg(ITERATIONS=100, WARMDOWN_ITERS=20, MAX_WALLCLOCK_SECONDS=0)
+    for step, want in [(0, 1.0), (50, 1.0), (80, 1.0), (85, 0.75), (90, 0.5), (99, 0.05), (100, 0.0)]:
+        assert tg.lr_scale_at(cfg, step, elapsed_ms=123456.0) == pytest.approx(want, abs=1e-12), step
+    assert tg.lr_scale_at(make_cfg(ITERATIONS=100, WARMDOWN_ITERS=0, MAX_WALLCLOCK_SECONDS=0), 99, 0.0) == 1.0
+
+
+def test_lr_scale_wallclock_mode():
+    # cap 10 s, warmdown 20 steps: lr = remaining_ms / (20 * elapsed_ms / step) once below 1
+    cfg = make_cfg(WARMDOWN_ITERS=20, MAX_WALLCLOCK_SECONDS=10)
+    cases = [(0, 0.0, 1.0),  # nothing measured yet
+             (10, 2000.0, 1.0),  # 200 ms/step -> warmdown 4000 ms; 8000 ms left
+             (40, 8000.0, 0.5),  # 2000 / 4000
+             (45, 9500.0, 500 * 45 / (20 * 9500)),  # 500 / 4222.2 = 0.1184
+             (50, 10000.0, 0.0), (51, 10300.0, 0.0)]
+    for step, elapsed, want in cases:
+        assert tg.lr_scale_at(cfg, step, elapsed) == pytest.approx(want, abs=1e-12), (step, elapsed)
+    # capped, but ITERATIONS runs out first: the warmdown follows the iterations
+    fast = make_cfg(WARMDOWN_ITERS=20, MAX_WALLCLOCK_SECONDS=10, ITERATIONS=100)
+    assert [tg.lr_scale_at(fast, k, 10.0 * k) for k in (0, 80, 90, 99)] == pytest.approx([1, 1, 0.5, 0.05])
+
+
+def test_muon_momentum_warmup():
+    cfg = make_cfg()  # 0.92 -> 0.99 over 1500 steps
+    for step, want in [(0, 0.92), (375, 0.9375), (750, 0.955), (1500, 0.99), (5000, 0.99)]:
+        assert tg.muon_momentum_at(cfg, step) == pytest.approx(want, abs=1e-12), step
+    assert tg.muon_momentum_at(make_cfg(MUON_MOMENTUM_WARMUP_STEPS=0), 0) == 0.99
+
+
+class FakeClock:
+    def __init__(self):
+        self.ms = 0.0
+
+    def __call__(self, device=None) -> float:
+        return self.ms
+
+
+def _run_with_fake_clock(dataset, tokenizer_path, monkeypatch, step_ms, ema_ms, log_ms=0.0, **overrides):
+    """Trainer.train with a fake clock: each step costs step_ms, each EMA update ema_ms, each logged loss log_ms."""
+    clock, lines, record, deltas = FakeClock(), [], [], []
+    monkeypatch.setattr(tg, "now_ms", clock)
+    tr = make_trainer(dataset, tokenizer_path, log=lines.append, **overrides)
+
+    def fake_step(step, lr_scale):
+        record.append((step, lr_scale, tr.model.qat_enabled))
+        clock.ms += step_ms
+        return torch.tensor(1.0)
+
+    def fake_mean_loss(loss):
+        clock.ms += log_ms
+        return float(loss)
+    tr.step, tr.mean_loss = fake_step, fake_mean_loss
+    def ema_update(progress_delta):
+        deltas.append(progress_delta)
+        clock.ms += ema_ms
+    steps, train_ms = tr.train(scorer=None, ema=types.SimpleNamespace(update=ema_update))
+    return steps, train_ms, lines, record, deltas
+
+
+def test_wallclock_cap_stops_at_the_last_step_that_fits(dataset, tokenizer_path, monkeypatch):
+    # 100 ms steps, 1 s cap: exactly 10 steps fit; warmdown 5 steps = the last 500 ms
+    steps, train_ms, lines, record, deltas = _run_with_fake_clock(
+        dataset, tokenizer_path, monkeypatch, 100.0, 0.0, MAX_WALLCLOCK_SECONDS=1.0, ITERATIONS=100000,
+        WARMDOWN_ITERS=5, LATE_QAT_THRESHOLD=0.5, TRAIN_LOG_EVERY=1)
+    assert (steps, train_ms) == (10, 1000.0)
+    assert any(line.startswith("stopping_early: wallclock_cap train_time:1000ms step:10/") for line in lines), lines
+    assert [r[0] for r in record] == list(range(10))
+    assert [r[1] for r in record] == pytest.approx([1, 1, 1, 1, 1, 1, 0.8, 0.6, 0.4, 0.2], abs=1e-9)
+    assert [r[2] for r in record] == [False] * 8 + [True] * 2  # late QAT once lr scale < 0.5
+    assert "late_qat:enabled step:8 lr_scale:0.4000" in lines
+    # EMA progress follows the agreed clock: step k's update carries the previous iteration's 100 ms of 1 s
+    # (step 0: 1/ITERATIONS, the clock has not moved yet)
+    assert deltas == pytest.approx([1e-5, 0.1 - 1e-5] + [0.1] * 8, abs=1e-12)
+
+
+def test_wallclock_cap_counts_per_step_overhead(dataset, tokenizer_path, monkeypatch):
+    """The cap must hold when each iteration also spends time outside Trainer.step and the EMA update: here 10 ms of
+    loss logging per step (the loss all-reduce + log write of TRAIN_LOG_EVERY steps in real runs). Iterations take
+    120 ms; with a 1075 ms cap 8 fit (960 ms) and a 9th would end at 1080 ms."""
+    steps, train_ms, lines, _, _ = _run_with_fake_clock(
+        dataset, tokenizer_path, monkeypatch, 100.0, 10.0, log_ms=10.0, MAX_WALLCLOCK_SECONDS=1.075,
+        ITERATIONS=100000, TRAIN_LOG_EVERY=1)
+    assert train_ms <= 1075.0, f"trained {train_ms:.0f} ms ({steps} steps) under a 1075 ms cap"
+    assert steps == 8
+
+
+def test_iteration_mode_runs_all_steps_with_warmdown(dataset, tokenizer_path, monkeypatch):
+    steps, train_ms, lines, record, deltas = _run_with_fake_clock(
+        dataset, tokenizer_path, monkeypatch, 7.0, 0.0, ITERATIONS=10, WARMDOWN_ITERS=4, LATE_QAT_THRESHOLD=0)
+    assert steps == 10 and train_ms == 70.0 and not any("stopping_early" in x for x in lines)
+    assert [r[1] for r in record] == pytest.approx([1] * 7 + [0.75, 0.5, 0.25], abs=1e-12)
+    assert not any(r[2] for r in record)  # LATE_QAT_THRESHOLD=0: never
+    assert deltas == pytest.approx([0.1] * 10, abs=1e-12)  # progress by iteration: 1/ITERATIONS each
+
+
+def test_capped_run_that_reaches_iterations_first_has_warmdown_and_full_progress(dataset, tokenizer_path, monkeypatch):
+    steps, _, _, record, deltas = _run_with_fake_clock(
+        dataset, tokenizer_path, monkeypatch, 100.0, 0.0, MAX_WALLCLOCK_SECONDS=10.0, ITERATIONS=10,
+        WARMDOWN_ITERS=4, LATE_QAT_THRESHOLD=0)
+    assert steps == 10
+    assert [r[1] for r in record] == pytest.approx([1] * 7 + [0.75, 0.5, 0.25], abs=1e-12)
+    assert deltas == pytest.approx([0.1] * 10, abs=1e-12) and sum(deltas) == pytest.approx(1.0)
+
+
+def _ema_deltas_with_rank_clocks(rank, world_size, data_path, tok_path):
+    """Trainer.train on `rank` with its own fake clock (rank 1 runs 10% slower and stalls 0.5 s at step 5)."""
+    cfg, _ = tg.Hyperparameters.from_env(tiny_env(Path(data_path), Path(tok_path), MAX_WALLCLOCK_SECONDS=3.0,
+                                                  ITERATIONS=100000, WARMDOWN_ITERS=5, TRAIN_LOG_EVERY=0))
+    rt = tg.Runtime(rank, world_size, rank)
+    clock, out = FakeClock(), []
+    tg.now_ms = clock
+    tr = tg.Trainer(cfg, rt, tg.build_model(cfg, rt), None, tg.Logger(cfg.run_id, False))
+
+    def fake_step(step, lr_scale):
+        out.append(("lr", step, lr_scale))
+        clock.ms += (100.0 if rank == 0 else 110.0) + (500.0 if rank == 1 and step == 5 else 0.0)
+        return torch.tensor(1.0)
+    tr.step = fake_step
+    tr.train(scorer=None, ema=types.SimpleNamespace(update=lambda dp: out.append(("ema", dp))))
+    return out
+
+
+def test_ema_progress_and_lr_agree_over_ranks_and_a_stall_is_capped(dataset, tokenizer_path):
+    per_rank = spawn(_ema_deltas_with_rank_clocks, 2, str(dataset), str(tokenizer_path))
+    assert per_rank[0] == per_rank[1]  # identical lr scales and EMA decays on every rank
+    deltas = [e[1] for e in per_rank[0] if e[0] == "ema"]
+    # the slowest rank's clock: 110 ms steps, 610 ms at step 5 -> the update of step 6 would carry 610/3000 of the
+    # run; it is capped at 3x the average step so far: 3 * 1160 / 3000 / 7
+    assert deltas[5] == pytest.approx(110 / 3000, rel=1e-9)
+    assert deltas[6] == pytest.approx(3 * 1160 / 3000 / 7, rel=1e-9)
+    assert deltas[7] == pytest.approx(110 / 3000, rel=1e-9)
+
+
+def test_ema_horizon_is_a_fraction_of_the_run():
+    """An EMA with horizon h over N updates of progress 1/N weights update k (1-based) by (1-a) a^(N-k) and the
+    initial weights by a^N, a = exp(-1/(h N)); checked against that closed form, and the fixed-decay mode."""
+    torch.manual_seed(0)
+    for n, horizon in ((40, 0.05), (400, 0.05), (30, 0.2)):
+        model = torch.nn.Linear(3, 2)
+        ema = tg.EMA(model, horizon)
+        history = [torch.cat([p.detach().flatten() for p in model.parameters()]).double()]
+        for _ in range(n):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p))
+            history.append(torch.cat([p.detach().flatten() for p in model.parameters()]).double())
+            ema.update(1.0 / n)
+        a = math.exp(-1.0 / (horizon * n))
+        want = a ** n * history[0] + sum((1 - a) * a ** (n - k) * history[k] for k in range(1, n + 1))
+        got = torch.cat([s.flatten() for s in ema.shadow]).double()
+        assert torch.allclose(got, want, atol=1e-5), (n, horizon)
+    fixed = tg.EMA(torch.nn.Linear(2, 2), 0.05, fixed_decay=0.997)
+    assert fixed.decay(0.5) == fixed.decay(1e-4) == 0.997
+    assert tg.EMA(torch.nn.Linear(2, 2), 0.05).decay(0.0) == 1.0
+
+
+# =============================================================================================
+# 11. Non-finite loss
+# =============================================================================================
+
+def _report_first_bad(rank, world_size, per_rank):
+    rt = tg.Runtime(rank, world_size, rank)
+    try:
+        tg.Trainer.check_finite(types.SimpleNamespace(rt=rt), torch.tensor(per_rank[rank]))
+    except FloatingPointError as e:
+        return str(e)
+    return None
+
+
+def test_first_non_finite_step_is_the_earliest_over_ranks():
+    """Rank 1 sees NaN at step 3; after the gradient all-reduce rank 0 sees it at step 4. The report (made at the
+    next log step, TRAIN_LOG_EVERY apart) must name step 3, the first non-finite loss of the run."""
+    msgs = spawn(_report_first_bad, 2, [4, 3])
+    assert msgs == ["non-finite training loss at step 3"] * 2, msgs
+    assert spawn(_report_first_bad, 2, [-1, 3]) == ["non-finite training loss at step 3"] * 2
