@@ -201,6 +201,8 @@ class Hyperparameters:
         need(not self.ema_enabled or self.ema_horizon > 0 or self.ema_decay > 0, "EMA_HORIZON must be > 0 (or set EMA_DECAY)")
         need(self.ttt_chunk_tokens > 0 and self.ttt_batch_seqs > 0 and self.ttt_epochs >= 0, "TTT_* sizes must be > 0")
         need(0 <= self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
+        # scales are stored (and applied) as fp16: a smaller floor rounds to 0 and turns all-zero rows into 0/0
+        need(self.int6_scale_floor >= 2.0 ** -14, "INT6_SCALE_FLOOR must be >= 2^-14 (6.1e-5), fp16's smallest normal")
 
     @property
     def head_dim(self) -> int:
@@ -269,8 +271,9 @@ def grad_accum_steps(cfg: Hyperparameters, world_size: int) -> int:
 
 
 def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Runtime:
-    """Resolve every "auto" setting for this machine and process, join the process group (torchrun's
-    WORLD_SIZE / RANK / LOCAL_RANK), and configure CUDA."""
+    """Resolve every "auto" setting for this machine and process, join the process group, and configure CUDA.
+    WORLD_SIZE / RANK / LOCAL_RANK come from `env` (default os.environ); TRITON_INTERPRET and the rendezvous
+    variables are read from os.environ, where Triton and torch.distributed read them."""
     env = os.environ if env is None else env
     world_size, rank, local_rank = (int(env.get(k, d)) for k, d in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")))
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())

@@ -9,7 +9,7 @@ achieved TFLOP/s and % of the bf16 floor, peak memory, compile time, and per ste
 step and the EMA update; then the optimizer alone on one step's gradients (GPU time with the host ahead,
 and host launch time). --profile adds, over 3 more steps, a torch.profiler table and kernel_summary() of
 its trace (GPU time by kind, idle gaps, top kernels, the optimizer's span, memset issuers). --curve N
-prints N trained steps' losses instead of timing (also on the CPU). tests/test_tools.py tests its pieces.
+prints N trained steps' losses instead of timing (also on the CPU). tests/test_bench.py tests its pieces.
 """
 from __future__ import annotations
 
