@@ -8,12 +8,12 @@ parity details in the project's REFERENCE.md. Line budget: 1,750 lines for today
 with features that earn their bytes.
 
 Sections, each using only those above it:
-  Config      Hyperparameters from the environment, strictly parsed
+  Config      Hyperparameters from the environment, strictly parsed; the parameter layout (banks, tables)
   Runtime     the "auto" choices resolved once (device, ranks, attention, kernels, compile, graphs,
               accumulation), collectives, logging, clock
   Optimizer   Parallel Muon for the banks, AdamW for the rest, one table of parameter groups
   Data        challenge shards, samplers, the prefetching loader
-  Model       PyTorch ops, the quantisation grid, the bank layout, the GPT
+  Model       PyTorch ops, the quantisation grid, the GPT
   Kernels     the same ops as Triton kernels (optional), and build_model
   Scoring     val_bpb byte tables, sliding windows, the Scorer
   Legal TTT   score a chunk, then train on it
@@ -232,6 +232,28 @@ def _looks_like_ours(key: str, by_env: dict) -> bool:
         return False
     heads = {name.split("_")[0] for name in by_env} - GENERIC_WORDS
     return key.split("_")[0] in heads or bool(difflib.get_close_matches(key, list(by_env), n=1, cutoff=0.85))
+
+
+# The parameter layout, read by the optimizer's table, the model, the export and TTT. Banks (PR #399): one 3-D
+# parameter per matrix shape, so Muon orthogonalises every layer's matrices of a kind as one batch. Layer i's
+# matrix of slot s lives at bank[s * NUM_LAYERS + i].
+BANKS = {"qo_bank": ("attn.q", "attn.o"), "kv_bank": ("attn.k", "attn.v"),
+         "mlp_up_bank": ("mlp.up",), "mlp_down_bank": ("mlp.down",)}
+MATRICES = {name: (bank, slot) for bank, names in BANKS.items() for slot, name in enumerate(names)}
+ZERO_INIT = ("attn.o", "mlp.down")  # the reference's init: these start at zero, the others orthogonal
+# The embedding tables: AdamW's token group, bf16 parameters on CUDA (as in the reference), int8 when exported.
+EMBED_TABLES = ("tok_emb.weight", "bigram.embed.weight", "ve.embed.weight")
+
+
+def matrix_shapes(cfg: Hyperparameters) -> dict[str, tuple[int, int]]:
+    D, kv, mlp = cfg.model_dim, cfg.num_kv_heads * cfg.head_dim, int(cfg.mlp_mult * cfg.model_dim)
+    return {"attn.q": (D, D), "attn.o": (D, D), "attn.k": (kv, D), "attn.v": (kv, D), "mlp.up": (mlp, D),
+            "mlp.down": (D, mlp)}
+
+
+def layer_matrix(banks: dict[str, Tensor], name: str, i: int, num_layers: int) -> Tensor:
+    bank, slot = MATRICES[name]
+    return banks[bank][slot * num_layers + i]
 
 
 # =============================================================================================
@@ -919,28 +941,6 @@ def fake_quant_int6(w: Tensor, floor: float) -> Tensor:
     scale = grid_scale(clip, INT6_MAX, floor)
     q = (grid_codes(w2, clip, scale, INT6_MAX) * scale[:, None]).view_as(w)
     return w + (q - w).detach()
-
-
-# The bank layout, the one place that says which per-layer matrix lives where. Banks (PR #399): one 3-D
-# parameter per matrix shape, so Muon orthogonalises every layer's matrices of a kind as one batch. Layer i's
-# matrix of slot s lives at bank[s * NUM_LAYERS + i].
-BANKS = {"qo_bank": ("attn.q", "attn.o"), "kv_bank": ("attn.k", "attn.v"),
-         "mlp_up_bank": ("mlp.up",), "mlp_down_bank": ("mlp.down",)}
-MATRICES = {name: (bank, slot) for bank, names in BANKS.items() for slot, name in enumerate(names)}
-ZERO_INIT = ("attn.o", "mlp.down")  # the reference's init: these start at zero, the others orthogonal
-# The embedding tables: AdamW's token group, bf16 parameters on CUDA (as in the reference), int8 when exported.
-EMBED_TABLES = ("tok_emb.weight", "bigram.embed.weight", "ve.embed.weight")
-
-
-def matrix_shapes(cfg: Hyperparameters) -> dict[str, tuple[int, int]]:
-    D, kv, mlp = cfg.model_dim, cfg.num_kv_heads * cfg.head_dim, int(cfg.mlp_mult * cfg.model_dim)
-    return {"attn.q": (D, D), "attn.o": (D, D), "attn.k": (kv, D), "attn.v": (kv, D), "mlp.up": (mlp, D),
-            "mlp.down": (D, mlp)}
-
-
-def layer_matrix(banks: dict[str, Tensor], name: str, i: int, num_layers: int) -> Tensor:
-    bank, slot = MATRICES[name]
-    return banks[bank][slot * num_layers + i]
 
 
 def orthogonal_(w: Tensor) -> Tensor:
