@@ -5,23 +5,18 @@ zstandard/lzma."""
 from __future__ import annotations
 
 import copy
-import dataclasses
-import io
 import json
 import lzma
-import math
 import re
 import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
-import sentencepiece as spm
 import torch
-import torch.nn.functional as F
 import zstandard
 
-from conftest import SCRIPT, make_scorer, perturbed_model, run_script, sample_text, spawn, tiny_cfg, tiny_env
+from conftest import SCRIPT, perturbed_model, run_script, tiny_cfg, tiny_env
 import train_gpt as tg
 
 CPU = torch.device("cpu")

@@ -5,7 +5,6 @@ tests/test_kernels.py` there). Without the triton package these tests are skippe
 and checks the import, so CI never skips them."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -2,22 +2,14 @@
 == 1, the wallclock cap."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import re
-import sys
-import types
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from conftest import (MODEL_CONFIGS, SCRIPT, TINY_VOCAB, feature_model, make_cfg, rms, rope_reference, run_script,
-                      spawn, tiny_env, write_shard)
+from conftest import SCRIPT, TINY_VOCAB, run_script, tiny_env
 
 import train_gpt as tg
 

@@ -2,22 +2,16 @@
 the int6 grid of late QAT, and the FlashAttention-3 adapter."""
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
-import re
 import sys
 import types
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import (MODEL_CONFIGS, SCRIPT, TINY_VOCAB, feature_model, make_cfg, rms, rope_reference, run_script,
-                      spawn, tiny_env, write_shard)
+from conftest import MODEL_CONFIGS, feature_model, make_cfg, rms, rope_reference
 
 import train_gpt as tg
 

@@ -5,7 +5,6 @@ loop, torch.optim.AdamW, torch's clip_grad_norm_, a 1-process run) with the tole
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import numpy as np
 import pytest
