@@ -308,3 +308,12 @@ def test_a_coder_the_python_lacks_is_refused_before_any_run(monkeypatch):
     with pytest.raises(sw.SweepError, match="COMPRESSOR=fast needs the zstandard package"):
         sw.check_settings(tg, "x", {"COMPRESSOR": "fast"}, 1)
     sw.check_settings(tg, "x", {"COMPRESSOR": "lzma"}, 1)
+
+
+def test_an_older_script_without_the_batch_check_is_still_checked_for_its_settings(monkeypatch):
+    """--script may name an older train_gpt.py (a before/after A/B): its own parser still refuses typos."""
+    tg = sw.load_script(ROOT / "train_gpt.py")
+    monkeypatch.delattr(tg, "grad_accum_steps")
+    sw.check_settings(tg, "old", {"TRAIN_BATCH_TOKENS": "1000"}, 1)  # the divisibility check needs the new API
+    with pytest.raises(sw.SweepError, match="closest valid setting: MATRIX_LR"):
+        sw.check_settings(tg, "old", {"MATRX_LR": "0.1"}, 1)

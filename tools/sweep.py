@@ -139,7 +139,8 @@ def check_settings(tg, name: str, settings: dict[str, str], world_size: int) -> 
                          "needs the zstandard package, which this Python lacks")
     try:
         cfg, _ = tg.Hyperparameters.from_env(settings | {"RUN_ID": "check"})
-        tg.grad_accum_steps(cfg, world_size)
+        if hasattr(tg, "grad_accum_steps"):  # a --script from before 2026-11-23 has no such function: not checked
+            tg.grad_accum_steps(cfg, world_size)
     except ValueError as e:
         raise SweepError(f"variant {name}: {e}") from None
     try:
