@@ -294,7 +294,7 @@ def test_placement_fills_every_gpu_and_moves_every_variant():
         for G in range(1, 6):
             variants = {f"v{i}": {} for i in range(V)}
             gpus = [str(i) for i in range(G)]
-            runs, slots = sw.plan_runs("p", variants, [1, 2, 3], Path("x.py"), 1, gpus)
+            runs, slots = sw.plan_runs("p", variants, [1, 2, 3], dict.fromkeys(variants, Path("x.py")), 1, gpus)
             load = [sum(r.slot == i for r in runs) for i in range(G)]
             assert max(load) - min(load) <= 1, (V, G, load)  # balanced: no GPU idle while another queues
             for name in variants:
@@ -317,3 +317,23 @@ def test_an_older_script_without_the_batch_check_is_still_checked_for_its_settin
     sw.check_settings(tg, "old", {"TRAIN_BATCH_TOKENS": "1000"}, 1)  # the divisibility check needs the new API
     with pytest.raises(sw.SweepError, match="closest valid setting: MATRIX_LR"):
         sw.check_settings(tg, "old", {"MATRX_LR": "0.1"}, 1)
+
+
+def test_a_variant_can_run_another_script_checked_by_its_own_parser(tmp_path):
+    """SCRIPT=path (a before/after A/B of a code change): that variant's command runs the copy, and its settings
+    go through the copy's parser, which here knows one more setting than the repository's script."""
+    src = (ROOT / "train_gpt.py").read_text()
+    field = "    seed: int = 1337  # torch/numpy seed: init and nothing else (data order is fixed)\n"
+    assert field in src
+    copy = tmp_path / "after.py"
+    copy.write_text(src.replace(field, field + "    extra_knob: int = 0  # a setting only the copy has\n"))
+    r = run_sweep(["--dry-run", "--name", "ab", "--seeds", "1", "--variant", "before=", "--variant",
+                   f"after=SCRIPT={copy} EXTRA_KNOB=2"], tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    commands = {name: next(line for line in r.stdout.splitlines() if f"RUN_ID=ab_{name}_s1 " in line)
+                for name in ("before", "after")}
+    assert commands["after"].endswith(str(copy)) and "EXTRA_KNOB=2" in commands["after"]
+    assert commands["before"].endswith(str(ROOT / "train_gpt.py")) and "SCRIPT=" not in r.stdout
+    r = run_sweep(["--dry-run", "--seeds", "1", "--variant", "before=EXTRA_KNOB=2", "--variant",
+                   f"after=SCRIPT={copy}"], tmp_path, timeout=120)
+    assert r.returncode == 2 and "variant before: unknown setting EXTRA_KNOB" in r.stderr

@@ -8,6 +8,8 @@
 Settings are layered preset < --base < --variant, each a string of `K=V` words (shell quoting allowed); every
 one goes through train_gpt.py's own strict parsing before the first run starts, so a typo stops the sweep at
 once, naming the setting. The runner sets RUN_ID (<sweep>_<variant>_s<seed>), SEED and ARTIFACT_PATH itself.
+SCRIPT=path in a variant runs that variant with another copy of train_gpt.py (a code change's before/after),
+its settings checked by that copy's parser.
 Runs start in the calling directory: logs/<RUN_ID>.txt (the script's log), logs/<RUN_ID>.out (everything the
 run printed), logs/<RUN_ID>.int6.ptz (its artifact), and at the end logs/<sweep>.json (the table, every run's
 numbers and where its wall time went). With no visible GPU the runs go one at a time on the CPU.
@@ -185,7 +187,7 @@ class Run:
         return self.error is None and "score" in self.metrics
 
 
-def plan_runs(sweep: str, variants: dict[str, dict[str, str]], seeds: list[int], script: Path,
+def plan_runs(sweep: str, variants: dict[str, dict[str, str]], seeds: list[int], scripts: dict[str, Path],
               gpus_per_run: int, gpus: list[str]) -> tuple[list[Run], list[list[str]]]:
     slots = [gpus[i: i + gpus_per_run] for i in range(0, len(gpus) - gpus_per_run + 1, gpus_per_run)] or [[]]
     if gpus and len(gpus) < gpus_per_run:
@@ -209,7 +211,7 @@ def plan_runs(sweep: str, variants: dict[str, dict[str, str]], seeds: list[int],
                 env["OMP_NUM_THREADS"] = threads
             if slots[slot]:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(slots[slot])
-            runs.append(Run(name, seed, slot, slots[slot], run_id, env, launcher + [str(script)]))
+            runs.append(Run(name, seed, slot, slots[slot], run_id, env, launcher + [str(scripts[name])]))
     return runs, slots
 
 
@@ -474,7 +476,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help='repeatable; NAME="" is the defaults; the first variant is the one the others are judged against')
     ap.add_argument("--seeds", default="1337,42", help="comma-separated (default 1337,42)")
     ap.add_argument("--gpus-per-run", type=int, default=1, help="torchrun with N processes per run (default 1)")
-    ap.add_argument("--script", type=Path, default=ROOT / "train_gpt.py")
+    ap.add_argument("--script", type=Path, default=ROOT / "train_gpt.py",
+                    help="the train_gpt.py to run (a variant's SCRIPT=path overrides it: before/after A/Bs)")
     ap.add_argument("--name", help="sweep name, the prefix of every RUN_ID (default sweep_<UTC time>)")
     ap.add_argument("--run-timeout", type=float, help="seconds; a run still going then is killed and reported failed")
     ap.add_argument("--dry-run", action="store_true", help="print each run's command and GPU, run nothing")
@@ -483,7 +486,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace):
-    """(script module, sweep name, variants' settings, seeds, runs, GPU slots), or SweepError."""
+    """(the first variant's script module, sweep name, variants' settings, seeds, runs, GPU slots), or SweepError."""
     preset = PRESETS[args.preset] if args.preset else None
     common = parse_assignments(preset.settings, f"preset {args.preset}") if preset else {}
     common |= parse_assignments(args.base, "--base")
@@ -504,13 +507,16 @@ def build(args: argparse.Namespace):
     sweep = args.name or datetime.now(timezone.utc).strftime("sweep_%Y%m%d_%H%M%S")
     if not NAME_RE.fullmatch(sweep):
         raise SweepError(f"--name {sweep!r}: letters, digits, '.', '_', '-' only")
-    script = args.script.resolve()
-    if not script.is_file():
-        raise SweepError(f"--script {script} does not exist")
-    tg = load_script(script)
+    scripts, modules = {}, {}  # variant -> its train_gpt.py (SCRIPT=path, else --script); path -> module
     for name, settings in variants.items():
-        check_settings(tg, name, settings, args.gpus_per_run)
-    runs, slots = plan_runs(sweep, variants, seeds, script, args.gpus_per_run, visible_gpus())
+        scripts[name] = Path(settings.pop("SCRIPT", args.script)).resolve()
+        if not scripts[name].is_file():
+            raise SweepError(f"variant {name}: script {scripts[name]} does not exist")
+        if scripts[name] not in modules:
+            modules[scripts[name]] = load_script(scripts[name])
+        check_settings(modules[scripts[name]], name, settings, args.gpus_per_run)
+    tg = modules[scripts[next(iter(variants))]]
+    runs, slots = plan_runs(sweep, variants, seeds, scripts, args.gpus_per_run, visible_gpus())
     if preset and preset.train_shards and not args.dry_run:
         for name, settings in variants.items():
             data = settings.get("DATA_PATH", os.environ.get("DATA_PATH", tg.Hyperparameters.data_path))
@@ -575,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         if row.get("score") and row["score"]["std"] is not None:
             print(f"seed spread {row['variant']}: {row['score']['std']:.5f}")
     result = dict(sweep=sweep, preset=args.preset, calibrated_on=CALIBRATED_ON if args.preset else None,
-                  script=str(args.script.resolve()), base=args.base, variants=variants, seeds=seeds, table=rows,
+                  scripts={r.variant: r.cmd[-1] for r in runs}, base=args.base, variants=variants, seeds=seeds, table=rows,
                   runs=[{k: v for k, v in asdict(r).items() if k != "cmd"} | {"cmd": shlex.join(r.cmd)}
                         for r in runs])
     (logs / f"{sweep}.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
