@@ -789,7 +789,7 @@ class TrainLoader:
         sampler = CoprimeSampler if cfg.train_sampling == "coprime" else SequentialSampler
         self.sampler = sampler(files, cfg.vocab_size, cfg.train_seq_len)
         self.seq_len, self.seqs_per_step = cfg.train_seq_len, cfg.train_batch_tokens // cfg.train_seq_len
-        self.rt, self.grad_accum = rt, rt.grad_accum
+        self.rt = rt
         self.seqs_per_micro = self.seqs_per_step // (rt.world_size * rt.grad_accum)
         self.ahead = None  # (sampler state before it, x, y, copy-done event) of the prefetched step
         if rt.device.type == "cuda":
@@ -801,7 +801,7 @@ class TrainLoader:
     def _load(self) -> tuple:
         state = copy.deepcopy(self.sampler.state_dict())
         seqs, s, W = self.sampler.take_sequences(self.seqs_per_step), self.seqs_per_micro, self.rt.world_size
-        mine = np.concatenate([seqs[(m * W + self.rt.rank) * s:][:s] for m in range(self.grad_accum)])
+        mine = np.concatenate([seqs[(m * W + self.rt.rank) * s:][:s] for m in range(self.rt.grad_accum)])
         if self.rt.device.type != "cuda":
             t = torch.from_numpy(mine.astype(np.int64))
             return state, t[:, :-1].contiguous(), t[:, 1:].contiguous(), None
@@ -832,7 +832,7 @@ class TrainLoader:
             compute.wait_event(done)
             x.record_stream(compute), y.record_stream(compute)
         s = self.seqs_per_micro
-        return [(x[m * s:(m + 1) * s], y[m * s:(m + 1) * s]) for m in range(self.grad_accum)]
+        return [(x[m * s:(m + 1) * s], y[m * s:(m + 1) * s]) for m in range(self.rt.grad_accum)]
 
     def state_dict(self) -> dict:
         """Position of the next batch next_batch() will return."""
@@ -1885,7 +1885,6 @@ class Trainer:
 
     def __init__(self, cfg: Hyperparameters, rt: Runtime, model: GPT, loader: TrainLoader, log: Logger):
         self.cfg, self.rt, self.model, self.loader, self.log = cfg, rt, model, loader, log
-        self.grad_accum = rt.grad_accum
         self.opt = Optimizers(model, cfg, rt)
         self.fwd = compiled(model, rt)
         self.graphed = self.opt.keep_grads = rt.cuda_graphs  # graphs accumulate into fixed .grad
@@ -1904,7 +1903,7 @@ class Trainer:
     def _fwd_bwd(self, x: Tensor, y: Tensor) -> Tensor:
         with autocast(self.rt.device):
             loss = self.fwd(x, y)
-        (loss / self.grad_accum).backward()
+        (loss / self.rt.grad_accum).backward()
         return loss.detach()
 
     def _capture(self, x: Tensor, y: Tensor) -> tuple:
@@ -1943,7 +1942,7 @@ class Trainer:
         with torch.profiler.record_function("optimizer"):  # tools/bench_gpu.py --profile finds its kernels by it
             self.opt.step()
             self.opt.zero_grad()
-        return loss_sum / self.grad_accum
+        return loss_sum / self.rt.grad_accum
 
     def warmup(self) -> None:
         """Compile (and fill caches) on real steps, then restore weights, optimizer state and data

@@ -150,8 +150,6 @@ def spawn(fn, world_size: int, *args):
 
 def make_scorer(cfg, tokens, luts, batch_seqs: int = 4, rank: int = 0, world_size: int = 1):
     """A Scorer of `batch_seqs` windows per forward on `rank` of `world_size` (VAL_BATCH_SIZE set to match)."""
-    import dataclasses
-    import train_gpt as tg
     cfg = dataclasses.replace(cfg, val_batch_size=batch_seqs * world_size * cfg.eval_seq_len)
     scorer = tg.Scorer(cfg, tg.Runtime(rank, world_size, rank), tokens, luts)
     assert scorer.batch_seqs == batch_seqs

@@ -110,7 +110,7 @@ def _gathered_step(loaders) -> list[tuple]:
     seqs = []
     for ld in loaders:
         micro = ld.next_batch()
-        assert len(micro) == ld.grad_accum
+        assert len(micro) == ld.rt.grad_accum
         for x, y in micro:
             assert x.shape == y.shape == (ld.seqs_per_micro, ld.seq_len) and x.dtype == torch.int64
             seqs += [(tuple(a.tolist()), tuple(b.tolist())) for a, b in zip(x, y)]

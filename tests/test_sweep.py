@@ -24,16 +24,9 @@ SWEEP = ROOT / "tools" / "sweep.py"
 sys.path.insert(0, str(ROOT / "tools"))
 import sweep as sw  # noqa: E402
 
-TINY_KEYS = ("NUM_LAYERS", "MODEL_DIM", "NUM_HEADS", "NUM_KV_HEADS", "ROPE_DIMS", "BIGRAM_VOCAB_SIZE", "BIGRAM_DIM",
-             "VE_DIM", "VE_LAYERS", "XSA_LAST_N", "TRAIN_SEQ_LEN", "TRAIN_BATCH_TOKENS", "WARMUP_STEPS",
-             "WARMDOWN_ITERS", "MAX_WALLCLOCK_SECONDS", "TRAIN_LOG_EVERY", "VAL_LOSS_EVERY", "EVAL_SEQ_LEN",
-             "EVAL_STRIDE", "VAL_BATCH_SIZE", "MUON_MOMENTUM_WARMUP_STEPS", "DEVICE", "DATA_PATH",
-             "TOKENIZER_PATH", "VOCAB_SIZE")
-
-
 def tiny_base(dataset, tokenizer_path, **overrides) -> str:
     env = tiny_env(dataset, tokenizer_path, ITERATIONS="10", **overrides)
-    return " ".join(f"{k}={env[k]}" for k in (*TINY_KEYS, "ITERATIONS", *overrides))
+    return " ".join(f"{k}={v}" for k, v in env.items() if k not in sw.RUNNER_SETTINGS)  # the runner sets those
 
 
 def run_sweep(args: list[str], cwd: Path, gpus: str = "", timeout: int = 600, **env_extra) -> subprocess.CompletedProcess:
