@@ -1,4 +1,5 @@
-# SDPA stand-in for FlashAttention-3 (not available on the device), as in the project's anchors:
+# SDPA stand-in for FlashAttention-3 (not available on the device), for fetched reference scripts: put this
+# folder on PYTHONPATH. Never beside train_gpt.py or a tool: ATTN_BACKEND=auto would pick it as fa3.
 # (B,T,H,D) in and out, causal, GQA through SDPA's enable_gqa; the reference pins SDPA to flash.
 import torch.nn.functional as F
 def flash_attn_func(q, k, v, causal=True):
