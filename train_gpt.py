@@ -26,17 +26,20 @@ from __future__ import annotations
 import copy
 import difflib
 import glob
+import io
 import json
 import lzma
 import math
 import os
 import platform
+import re
+import signal
 import struct
 import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -76,17 +79,35 @@ CHOICES = {
 }
 
 
+# Value ranges, checked before anything runs (a zero head count or a negative learning rate is a typo, not a run).
+POSITIVE = ("vocab_size", "num_layers", "model_dim", "num_heads", "num_kv_heads", "mlp_mult", "rope_base",
+            "train_seq_len", "train_batch_tokens", "eval_seq_len", "eval_stride", "val_batch_size", "bigram_dim",
+            "ve_dim", "muon_backend_steps", "adam_eps", "ttt_chunk_tokens", "ttt_batch_seqs", "ttt_grad_clip")
+NON_NEGATIVE = ("iterations", "warmup_steps", "warmdown_iters", "max_wallclock_seconds", "grad_accum_steps",
+                "mlp_negative_slope", "tied_embed_init_std", "logit_softcap", "xsa_last_n", "bigram_vocab_size",
+                "matrix_lr", "scalar_lr", "tied_embed_lr", "embed_lr", "head_lr", "muon_momentum_warmup_steps",
+                "muon_wd", "adam_wd", "grad_clip_norm", "ema_horizon", "late_qat_threshold", "val_loss_every",
+                "train_log_every", "checkpoint_every", "ttt_lr", "ttt_epochs", "ttt_freeze_blocks")
+FRACTIONS = ("muon_momentum", "muon_momentum_warmup_start", "beta1", "beta2", "ema_decay", "ttt_momentum")
+# The settings that define the model's function: stored in every artifact (EVAL_ONLY builds the model from them).
+MODEL_SETTINGS = ("vocab_size", "num_layers", "model_dim", "num_heads", "num_kv_heads", "mlp_mult",
+                  "mlp_negative_slope", "tie_embeddings", "rope_base", "rope_dims", "logit_softcap", "ln_scale",
+                  "xsa_last_n", "bigram_vocab_size", "bigram_dim", "smear_enabled", "ve_enabled", "ve_dim", "ve_layers")
+
+
 @dataclass(frozen=True)
 class Hyperparameters:
     # --- run / data
     data_path: str = "./data/datasets/fineweb10B_sp1024"  # folder of fineweb_{train,val}_*.bin shards
     tokenizer_path: str = "./data/tokenizers/fineweb_1024_bpe.model"  # SentencePiece model (val_bpb bytes)
-    run_id: str = ""  # log name logs/<RUN_ID>.txt; empty = random
+    run_id: str = ""  # log logs/<RUN_ID>.txt (letters, digits, -_.); empty = random; a taken one gets a suffix
     seed: int = 1337  # torch/numpy seed: init and nothing else (data order is fixed)
     vocab_size: int = 1024  # must equal the tokenizer's vocabulary
     device: str = "auto"  # auto = cuda if available, else cpu
-    eval_only: str = ""  # path of an existing artifact: skip training, score it
-    artifact_path: str = "final_model.int6.ptz"  # where the artifact is written
+    eval_only: str = ""  # path of an existing artifact: skip training, score it (the model settings are its own)
+    artifact_path: str = ""  # where the artifact is written (its folder must exist); empty = logs/<RUN_ID>.int6.ptz
+    checkpoint_every: float = 0.0  # seconds of training between checkpoints logs/<RUN_ID>.ckpt (0 = off)
+    resume: str = ""  # checkpoint to continue from; settings the environment leaves unset are the checkpoint's
     # --- schedule
     iterations: int = 20000  # max optimizer steps
     warmup_steps: int = 20  # compile warmup steps, then weights/optimizer/data are restored
@@ -186,21 +207,24 @@ class Hyperparameters:
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ValueError(msg)
+        for names, ok, what in ((POSITIVE, lambda v: v > 0, "> 0"), (NON_NEGATIVE, lambda v: v >= 0, ">= 0"),
+                                (FRACTIONS, lambda v: 0 <= v < 1, "in [0, 1)")):
+            for n in names:
+                need(ok(getattr(self, n)), f"{n.upper()}={getattr(self, n)} is out of range: it must be {what}")
+        need(re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)?", self.run_id) is not None,
+             f"RUN_ID {self.run_id!r} is not a plain name (letters, digits, '-', '_', '.'; it names files in logs/)")
+        need(not (self.resume and self.eval_only), "RESUME and EVAL_ONLY exclude each other")
+        need(self.vocab_size <= 65536, "VOCAB_SIZE must be <= 65536 (shards store uint16 token ids)")
+        need(self.bigram_vocab_size != 1, "BIGRAM_VOCAB_SIZE must be 0 (off) or >= 2")
         need(self.model_dim % self.num_heads == 0, "MODEL_DIM must divide by NUM_HEADS")
         need(self.num_heads % self.num_kv_heads == 0, "NUM_HEADS must divide by NUM_KV_HEADS")
-        need(self.mlp_negative_slope >= 0, "MLP_NEGATIVE_SLOPE must be >= 0 (a negative slope ran as relu)")
         need(self.rope_dims % 2 == 0 and 0 <= self.rope_dims <= self.head_dim, "ROPE_DIMS: even, <= head dim")
-        need(self.train_seq_len > 0 and self.train_batch_tokens > 0, "TRAIN_SEQ_LEN, TRAIN_BATCH_TOKENS > 0")
-        need(0 < self.eval_stride <= self.eval_seq_len, "EVAL_STRIDE must be in 1..EVAL_SEQ_LEN")
+        need(self.eval_stride <= self.eval_seq_len, "EVAL_STRIDE must be in 1..EVAL_SEQ_LEN")
         need(all(s.strip().isdigit() for s in self.ve_layers.split(",") if s.strip()),
              f"malformed value for VE_LAYERS: {self.ve_layers!r} (expected comma-separated layer indices)")
         need(all(0 <= i < self.num_layers for i in self.ve_layer_list), "VE_LAYERS outside 0..NUM_LAYERS-1")
-        need(self.grad_accum_steps >= 0, "GRAD_ACCUM_STEPS must be >= 0 (0 = auto)")
-        need(self.iterations >= 0 and self.warmup_steps >= 0, "ITERATIONS, WARMUP_STEPS >= 0")
-        need(0.0 <= self.ema_decay < 1.0, "EMA_DECAY must be in [0, 1)")
         need(not self.ema_enabled or self.ema_horizon > 0 or self.ema_decay > 0, "EMA_HORIZON must be > 0 (or set EMA_DECAY)")
-        need(self.ttt_chunk_tokens > 0 and self.ttt_batch_seqs > 0 and self.ttt_epochs >= 0, "TTT_* sizes must be > 0")
-        need(0 <= self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
+        need(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
         # scales are stored (and applied) as fp16: a smaller floor rounds to 0 and turns all-zero rows into 0/0
         need(self.int6_scale_floor >= 2.0 ** -14, "INT6_SCALE_FLOOR must be >= 2^-14 (6.1e-5), fp16's smallest normal")
 
@@ -220,6 +244,8 @@ def _parse_value(key: str, raw: str, typ: str, choices: tuple[str, ...] | None):
                 raise ValueError
             return raw.strip().lower() in ("1", "true")
         value = {"int": int, "float": float, "str": str}[typ](raw.strip() if typ != "str" else raw)
+        if typ == "float" and not math.isfinite(value):
+            raise ValueError
     except ValueError:
         raise ValueError(f"malformed value for {key}: {raw!r} (expected {typ})") from None
     if choices is not None and value not in choices:
@@ -232,6 +258,26 @@ def _looks_like_ours(key: str, by_env: dict) -> bool:
         return False
     heads = {name.split("_")[0] for name in by_env} - GENERIC_WORDS
     return key.split("_")[0] in heads or bool(difflib.get_close_matches(key, list(by_env), n=1, cutoff=0.85))
+
+
+def adopt_settings(cfg: Hyperparameters, stored: dict, names: tuple[str, ...], explicit: set[str],
+                   source: str) -> tuple[Hyperparameters, list[str]]:
+    """cfg with the settings `names` taken from `stored`, what an artifact or a checkpoint was made with. A
+    setting the environment sets (`explicit`) keeps its value: an error if it differs in a MODEL_SETTINGS
+    entry (another model), else a warning. Returns (config, warnings)."""
+    unknown, missing = set(stored) - {f.name for f in fields(cfg)}, set(names) - set(stored)
+    if unknown or missing:
+        raise ValueError(f"{source} was made by another version of train_gpt.py (settings unknown here: "
+                         f"{sorted(unknown)}, missing: {sorted(missing)})")
+    warnings = []
+    for n in (n for n in names if n in explicit and getattr(cfg, n) != stored[n]):
+        msg = f"{n.upper()}={getattr(cfg, n)} but {source} was made with {n.upper()}={stored[n]}"
+        if n in MODEL_SETTINGS:
+            raise ValueError(f"{msg}: leave {n.upper()} unset to use the stored value")
+        warnings.append(f"{msg}; the environment's value is used")
+    cfg = replace(cfg, **{n: stored[n] for n in names if n not in explicit})
+    cfg.validate()
+    return cfg, warnings
 
 
 # The parameter layout, read by the optimizer's table, the model, the export and TTT. Banks (PR #399): one 3-D
@@ -410,11 +456,34 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+HOST = torch.device("cpu")  # now_ms(HOST): the host clock, without waiting for the GPU
+
+
 def now_ms(device: torch.device) -> float:
     """Host clock after the device's queue has drained."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() * 1000.0
+
+
+def claim_outputs(cfg: Hyperparameters) -> Hyperparameters:
+    """One run, one log: a RUN_ID whose logs/<RUN_ID>.txt exists gets the first free suffix (_2, _3, ...), and
+    an empty ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz. Every rank decides before the process group's
+    rendezvous, so before rank 0 creates the log: all agree. The output folders are checked now, not when a
+    finished run writes into them."""
+    logs, run_id = Path("logs"), cfg.run_id
+    logs.mkdir(exist_ok=True)
+    for n in range(2, 10**6):
+        if not (logs / f"{run_id}.txt").exists():
+            break
+        run_id = f"{cfg.run_id}_{n}"
+    cfg = replace(cfg, run_id=run_id, artifact_path=cfg.artifact_path or str(logs / f"{run_id}.int6.ptz"))
+    for folder, what in ((logs, "the log folder"), (Path(cfg.artifact_path).parent, "ARTIFACT_PATH's folder")):
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{what} {folder} does not exist: create it, or set another ARTIFACT_PATH")
+        if not os.access(folder, os.W_OK):
+            raise PermissionError(f"{what} {folder} is not writable")
+    return cfg
 
 
 class Logger:
@@ -495,13 +564,26 @@ class ParallelMuon(torch.optim.Optimizer):
         self.banks = sorted(banks, key=lambda p: -p.numel())  # biggest reduce-scatter first
         self.pending: list[tuple[Tensor, Tensor, object]] = []  # (bank, grad shard, async work)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)  # torch casts state to the (fp32) bank dtype: undo that
-        for st in self.state.values():
-            st["momentum"] = st["momentum"].to(self.comm_dtype)
-
     def shard_rows(self, p: Tensor) -> int:
         return -(-p.shape[0] // self.world_size)  # bank dim padded to a multiple of world size
+
+    def whole_momentum(self, p: Tensor) -> Tensor | None:
+        """Bank p's momentum gathered from every rank's shard (a collective), on the CPU; None before step 1."""
+        m = self.state.get(p, {}).get("momentum")
+        if m is not None and self.world_size > 1:
+            full = m.new_empty((m.shape[0] * self.world_size, *m.shape[1:]))
+            _all_gather(full, m.contiguous())
+            m = full
+        return None if m is None else m[: p.shape[0]].to("cpu", copy=True)
+
+    def load_whole_momentum(self, p: Tensor, m: Tensor | None, rank: int) -> None:
+        """Inverse of whole_momentum: keep this rank's shard (any world size)."""
+        self.state.pop(p, None)
+        if m is not None:
+            rows = self.shard_rows(p)
+            padded = m.new_zeros((rows * self.world_size, *m.shape[1:]))
+            padded[: m.shape[0]] = m
+            self.state[p]["momentum"] = padded[rank * rows: (rank + 1) * rows].to(p.device, self.comm_dtype)
 
     def launch_reduce_scatter(self) -> None:
         assert not self.pending, "previous step's reduce-scatter was never finished"
@@ -645,11 +727,14 @@ class Optimizers:
         return norm
 
     def state_dict(self) -> dict:
-        return {"adam": self.adam.state_dict(), "muon": self.muon.state_dict()}
+        """AdamW's state and Muon's momentum as whole banks (a collective): the same for any world size. Holds
+        references to AdamW's live state (deep-copy it to keep it)."""
+        return {"adam": self.adam.state_dict(), "momentum": [self.muon.whole_momentum(p) for p in self.muon.banks]}
 
     def load_state_dict(self, state: dict) -> None:
         self.adam.load_state_dict(state["adam"])
-        self.muon.load_state_dict(state["muon"])
+        for p, m in zip(self.muon.banks, state["momentum"]):
+            self.muon.load_whole_momentum(p, m, self.rank)
 
 
 # =============================================================================================
@@ -657,6 +742,13 @@ class Optimizers:
 # =============================================================================================
 
 SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 1024
+GET_DATA = ("get FineWeb with `python3 data/cached_challenge_fineweb.py --variant sp1024` (network), or run "
+            "`bash data/quickstart.sh` for the offline sample")
+SAMPLE_MARK = 0x504D4153  # header word 3 of the shards data/make_sample.py writes (b"SAMP"; FineWeb's hold 0)
+
+
+class ShardError(ValueError):
+    """A bad shard. Met mid-run (shards are range-checked when first opened), it stops training with a checkpoint."""
 
 
 def shard_token_count(path: str | Path) -> int:
@@ -664,15 +756,15 @@ def shard_token_count(path: str | Path) -> int:
     path = Path(path)
     size = path.stat().st_size
     if size < HEADER_BYTES:
-        raise ValueError(f"{path}: truncated shard ({size} bytes, header needs {HEADER_BYTES})")
+        raise ShardError(f"{path}: truncated shard ({size} bytes, header needs {HEADER_BYTES})")
     header = np.fromfile(path, dtype="<i4", count=256)
     if header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
-        raise ValueError(f"{path}: not a challenge shard (magic {header[0]}, version {header[1]})")
+        raise ShardError(f"{path}: not a challenge shard (magic {header[0]}, version {header[1]})")
     n = int(header[2])
     if n <= 0:
-        raise ValueError(f"{path}: shard holds no tokens")
+        raise ShardError(f"{path}: shard holds no tokens")
     if size != HEADER_BYTES + 2 * n:
-        raise ValueError(f"{path}: size {size} != {HEADER_BYTES + 2 * n} for {n} tokens (truncated?)")
+        raise ShardError(f"{path}: size {size} != {HEADER_BYTES + 2 * n} for {n} tokens (truncated?)")
     return n
 
 
@@ -682,16 +774,21 @@ def open_shard(path: str | Path, vocab_size: int) -> np.ndarray:
     tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,))
     top = int(tokens.max())
     if top >= vocab_size:
-        raise ValueError(f"{path}: token id {top} >= VOCAB_SIZE {vocab_size}")
+        raise ShardError(f"{path}: token id {top} >= VOCAB_SIZE {vocab_size}")
     return tokens
+
+
+def is_sample_shard(path: str | Path) -> bool:
+    """A shard of the offline sample (stdlib docstrings): its scores are not comparable to FineWeb's."""
+    return int(np.fromfile(path, dtype="<i4", count=4)[3]) == SAMPLE_MARK
 
 
 def shard_files(data_path: str, split: str) -> list[str]:
     if not Path(data_path).is_dir():
-        raise FileNotFoundError(f"DATA_PATH {data_path} is not a directory")
+        raise FileNotFoundError(f"DATA_PATH {data_path} is not a directory: {GET_DATA}")
     files = sorted(glob.glob(str(Path(data_path) / f"fineweb_{split}_*.bin")))
     if not files:
-        raise FileNotFoundError(f"no shards matching {Path(data_path) / f'fineweb_{split}_*.bin'}")
+        raise FileNotFoundError(f"no shards matching {Path(data_path) / f'fineweb_{split}_*.bin'}: {GET_DATA}")
     return files
 
 
@@ -800,7 +897,11 @@ class TrainLoader:
 
     def _load(self) -> tuple:
         state = copy.deepcopy(self.sampler.state_dict())
-        seqs, s, W = self.sampler.take_sequences(self.seqs_per_step), self.seqs_per_micro, self.rt.world_size
+        try:
+            seqs, s, W = self.sampler.take_sequences(self.seqs_per_step), self.seqs_per_micro, self.rt.world_size
+        except ShardError:  # the position stays before this batch, where a checkpoint resumes
+            self.sampler.load_state_dict(state)
+            raise
         mine = np.concatenate([seqs[(m * W + self.rt.rank) * s:][:s] for m in range(self.rt.grad_accum)])
         if self.rt.device.type != "cuda":
             t = torch.from_numpy(mine.astype(np.int64))
@@ -821,10 +922,15 @@ class TrainLoader:
         trainer calls it after launching a step's micro-batches: with the wallclock cap every iteration
         starts with a host sync, and prefetching inside next_batch left the GPU idle for this host work."""
         if self.ahead is None:
-            self.ahead = self._load()
+            try:
+                self.ahead = self._load()
+            except ShardError as e:  # raised by next_batch: the step under way completes first
+                self.ahead = e
 
     def next_batch(self) -> list[tuple[Tensor, Tensor]]:
         self.prefetch()
+        if isinstance(self.ahead, ShardError):
+            raise self.ahead
         _, x, y, done = self.ahead
         self.ahead = None
         if done is not None:  # the compute stream waits for the copy; the memory is freed after its use
@@ -836,7 +942,7 @@ class TrainLoader:
 
     def state_dict(self) -> dict:
         """Position of the next batch next_batch() will return."""
-        return copy.deepcopy(self.ahead[0] if self.ahead is not None else self.sampler.state_dict())
+        return copy.deepcopy(self.ahead[0] if isinstance(self.ahead, tuple) else self.sampler.state_dict())
 
     def load_state_dict(self, s: dict) -> None:
         self.ahead = None
@@ -1663,7 +1769,7 @@ def ttt_sync_grads(model: GPT, params: list[Tensor], frozen: list[int], num_laye
 CLIP_QUANTILES = (0.999, 0.9995, 0.9999, 0.99999, 1.0)  # per-row clip candidates, best MSE wins
 INT8_CLIP_QUANTILE = 0.9999984  # the reference's per-row clip for int8 tables
 KEEP_FLOAT_MAX_NUMEL = 65536  # tensors up to this size stay float (fp16)
-ARTIFACT_MAGIC, PAYLOAD_MAGIC = b"PGA1", b"PGT1"
+ARTIFACT_MAGIC, PAYLOAD_MAGIC = b"PGA1", b"PGT2"  # PGT1: before the settings were stored
 COMPRESSOR_CODES = {"zstd": 0, "lzma": 1}
 # xz preset 6|extreme came out 34-38 KB smaller than 9|extreme (and ~10% faster) on both PQB artifacts
 # (15,408,208 vs 15,442,060 and 15,461,288 vs 15,499,120 bytes); zstd-22 was ~1 MB larger than either.
@@ -1750,24 +1856,27 @@ def dequantize_state(packed: dict[str, Tensor], template: dict[str, Tensor], num
 _DTYPES = {"int8": torch.int8, "float16": torch.float16, "float32": torch.float32}
 
 
-def pack_tensors(tensors: dict[str, Tensor]) -> bytes:
-    """Compact container: magic, u32 header length, JSON [[name, dtype, shape], ...], raw data."""
-    header = json.dumps([[k, str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in tensors.items()],
+def pack_tensors(tensors: dict[str, Tensor], cfg: Hyperparameters) -> bytes:
+    """Compact container: magic, u32 header length, JSON {"settings": the MODEL_SETTINGS, "tensors": [[name,
+    dtype, shape], ...]}, raw data."""
+    header = json.dumps({"settings": {n: getattr(cfg, n) for n in MODEL_SETTINGS}, "tensors":
+                         [[k, str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in tensors.items()]},
                         separators=(",", ":")).encode()
     body = b"".join(t.contiguous().numpy().tobytes() for t in tensors.values())
     return PAYLOAD_MAGIC + struct.pack("<I", len(header)) + header + body
 
 
-def unpack_tensors(buf: bytes) -> dict[str, Tensor]:
+def unpack_tensors(buf: bytes) -> tuple[dict, dict[str, Tensor]]:
+    """(the settings the artifact's model was made with, its tensors)."""
     if buf[:4] != PAYLOAD_MAGIC or len(buf) < 8:
-        raise ValueError("artifact payload is corrupt (bad magic)")
+        raise ValueError("artifact payload is corrupt (bad magic), or it was written by an older train_gpt.py")
     (hlen,) = struct.unpack("<I", buf[4:8])
     try:
         header = json.loads(buf[8: 8 + hlen])
     except ValueError:
         raise ValueError("artifact payload is corrupt (unreadable header)") from None
     out, offset = {}, 8 + hlen
-    for name, dtype, shape in header:
+    for name, dtype, shape in header["tensors"]:
         dt = _DTYPES[dtype]
         n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
         if offset + n > len(buf):
@@ -1776,7 +1885,7 @@ def unpack_tensors(buf: bytes) -> dict[str, Tensor]:
         offset += n
     if offset != len(buf):
         raise ValueError(f"artifact payload has {len(buf) - offset} trailing bytes")
-    return out
+    return header["settings"], out
 
 
 def _zstd():
@@ -1829,13 +1938,42 @@ def decompress(blob: bytes) -> bytes:
         raise
 
 
-def load_artifact(path: str | Path, template: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
-    return dequantize_state(unpack_tensors(decompress(Path(path).read_bytes())), template, num_layers)
+def read_artifact(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
+    """(model settings, packed tensors) of an artifact file; dequantize_state makes a state_dict of them."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"artifact {path} does not exist")
+    return unpack_tensors(decompress(Path(path).read_bytes()))
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write beside `path`, then rename over it: a crash or a full disk never leaves a partial file there."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # =============================================================================================
 # Training: EMA, schedule, the step (CUDA graphs), the timed loop
 # =============================================================================================
+
+CHECKPOINT_MAGIC = "pgolf-checkpoint-1"
+PROGRESS_EVERY_S = 10.0  # a progress line (no loss: no host sync) when no step line came for this long
+
+
+def read_checkpoint(path: str) -> dict:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"RESUME {path} does not exist")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"RESUME {path} is not a readable checkpoint: {e}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("magic") != CHECKPOINT_MAGIC:
+        raise ValueError(f"RESUME {path} is not a checkpoint of this script")
+    return ckpt
+
 
 class EMA:
     """Exponential moving average of all parameters in fp32, applied to the model after training.
@@ -1889,6 +2027,8 @@ class Trainer:
         self.fwd = compiled(model, rt)
         self.graphed = self.opt.keep_grads = rt.cuda_graphs  # graphs accumulate into fixed .grad
         self.graphs: dict[bool, tuple] = {}  # model.qat_enabled -> (graph, static x, static y, static loss)
+        self.clock = dict(step=0, train_ms=0.0, progress=0.0, qat=False)  # where train() starts (resumed: saved)
+        self.ckpt_path, self.signal = Path("logs") / f"{cfg.run_id}.ckpt", 0
 
     def fwd_bwd(self, x: Tensor, y: Tensor) -> Tensor:
         """One micro-batch: forward, backward (gradients accumulate); returns its loss."""
@@ -1953,73 +2093,131 @@ class Trainer:
             return
         if cfg.late_qat_threshold > 0 and cfg.warmup_steps < 2:
             self.log("warning WARMUP_STEPS < 2: the late-QAT variant will compile (and capture) inside the timed window")
-        saved = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict()),
-                 self.loader.state_dict())
+        saved = copy.deepcopy(self.state(None, self.clock))
         for i in range(cfg.warmup_steps):
             self.model.qat_enabled = cfg.late_qat_threshold > 0 and cfg.warmup_steps >= 2 and i == cfg.warmup_steps - 1
             self.step(i, 1.0)
             self.log(f"warmup_step:{i + 1}/{cfg.warmup_steps}")
-        self.model.qat_enabled = False
-        self.model.load_state_dict(saved[0])
-        self.opt.load_state_dict(saved[1])
-        self.loader.load_state_dict(saved[2])
+        self.load(saved, None)
 
     def mean_loss(self, loss: Tensor) -> float:
         t = loss.detach().double().reshape(1)
         all_reduce_sum_(t)
         return t.item() / self.rt.world_size
 
-    def train(self, scorer: Scorer, ema: EMA | None) -> tuple[int, float]:
+    def train(self, scorer: Scorer, ema: EMA | None) -> tuple[int, float, int]:
+        """The timed loop from self.clock; returns (steps, training ms, the signal that stopped it or 0)."""
         cfg, rt, log = self.cfg, self.rt, self.log
         cap_ms = 1000.0 * cfg.max_wallclock_seconds
+        # one host sync per iteration where ranks must agree on a clock: the cap, checkpoints, or a signal
+        clocked = cap_ms > 0 or cfg.checkpoint_every > 0 or rt.world_size > 1
         recent_ms: list[float] = []  # durations of whole iterations (logging included, val excluded)
         first_bad = torch.full((), -1, dtype=torch.int64, device=rt.device)  # first non-finite loss step
-        step, train_ms, t0 = 0, 0.0, now_ms(rt.device)
-        progress = 0.0  # fraction of the run done, by iteration or (capped) by the agreed clock
-        t_prev = None  # start of the previous iteration; one host sync per iteration when capped
-        while step < cfg.iterations:
-            if cfg.val_loss_every > 0 and step > 0 and step % cfg.val_loss_every == 0:
-                train_ms += now_ms(rt.device) - t0
-                s = scorer(self.model, cfg.eval_seq_len)
-                log(f"step:{step}/{cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} "
-                    f"train_time:{train_ms:.0f}ms step_avg:{train_ms / step:.2f}ms")
-                t0, t_prev = now_ms(rt.device), None
-            elapsed = 0.0
-            if cap_ms > 0:  # a step starts only if its predicted end fits
-                t_iter = now_ms(rt.device)
-                if t_prev is not None:
-                    recent_ms.append(t_iter - t_prev)
-                t_prev = t_iter
-                # all ranks agree on the clock, so they agree on stopping, lr scale and the QAT switch
-                elapsed, predicted = all_reduce_max(
-                    [train_ms + t_iter - t0, train_ms + t_iter - t0 + (max(recent_ms[-10:]) if recent_ms else 0.0)],
-                    rt.device)
-                if predicted > cap_ms:
-                    log(f"stopping_early: wallclock_cap train_time:{elapsed:.0f}ms step:{step}/{cfg.iterations}")
-                    break
-            lr_scale = lr_scale_at(cfg, step, elapsed)
-            if cfg.late_qat_threshold > 0 and lr_scale < cfg.late_qat_threshold and not self.model.qat_enabled:
-                self.model.qat_enabled = True
-                log(f"late_qat:enabled step:{step} lr_scale:{lr_scale:.4f}")
-            loss = self.step(step, lr_scale)
-            # progress by iteration or (capped) by the agreed clock, whichever is further; a stall counts
-            # as at most 3 average steps, so no single snapshot dominates the EMA
-            done = max((step + 1) / cfg.iterations, elapsed / cap_ms if cap_ms > 0 else 0.0)
-            if ema is not None:
-                ema.update(min(done - progress, 3 * done / (step + 1)))
-            progress = done
-            step += 1
-            first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad)
-            if cfg.train_log_every > 0 and (step <= 10 or step % cfg.train_log_every == 0):
-                self.check_finite(first_bad)
-                mean = self.mean_loss(loss)
-                now = train_ms + now_ms(rt.device) - t0
-                log(f"step:{step}/{cfg.iterations} train_loss:{mean:.4f} train_time:{now:.0f}ms "
-                    f"step_avg:{now / step:.2f}ms")
+        step, train_ms, progress = self.clock["step"], self.clock["train_ms"], self.clock["progress"]
+        start, last_ckpt = (step, train_ms), train_ms
+        t0, t_prev = now_ms(rt.device), None  # t_prev: start of the previous iteration (clocked)
+        last_line = t0
+        # SIGINT / SIGTERM: the loop writes a checkpoint at the next step's start and stops
+        handlers = {s: signal.signal(s, lambda signum, _: setattr(self, "signal", signum))
+                    for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while step < cfg.iterations:
+                if cfg.val_loss_every > 0 and step > 0 and step % cfg.val_loss_every == 0:
+                    train_ms += now_ms(rt.device) - t0
+                    s = scorer(self.model, cfg.eval_seq_len)
+                    log(f"step:{step}/{cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} "
+                        f"train_time:{train_ms:.0f}ms step_avg:{train_ms / step:.2f}ms")
+                    t0, t_prev = now_ms(rt.device), None
+                elapsed, stop = 0.0, self.signal
+                if clocked:  # a step starts only if its predicted end fits the cap
+                    t_iter = now_ms(rt.device)
+                    if t_prev is not None:
+                        recent_ms.append(t_iter - t_prev)
+                    t_prev = t_iter
+                    # all ranks agree on the clock, so on stopping, lr scale, the QAT switch and checkpoints
+                    elapsed, predicted, stop = all_reduce_max([train_ms + t_iter - t0, train_ms + t_iter - t0 + (
+                        max(recent_ms[-10:]) if recent_ms else 0.0), float(self.signal)], rt.device)
+                    if cap_ms > 0 and predicted > cap_ms:
+                        log(f"stopping_early: wallclock_cap train_time:{elapsed:.0f}ms step:{step}/{cfg.iterations}")
+                        break
+                if stop or (cfg.checkpoint_every > 0 and elapsed - last_ckpt >= 1000 * cfg.checkpoint_every):
+                    train_ms += now_ms(rt.device) - t0
+                    self.save_checkpoint(ema, dict(step=step, train_ms=train_ms, progress=progress))
+                    if stop:
+                        log(f"interrupted by {signal.Signals(int(stop)).name} at step {step}: resume with "
+                            f"RESUME={self.ckpt_path} and the same settings")
+                        return step, train_ms, int(stop)
+                    t0, t_prev, last_ckpt = now_ms(rt.device), None, train_ms
+                lr_scale = lr_scale_at(cfg, step, elapsed)
+                if cfg.late_qat_threshold > 0 and lr_scale < cfg.late_qat_threshold and not self.model.qat_enabled:
+                    self.model.qat_enabled = True
+                    log(f"late_qat:enabled step:{step} lr_scale:{lr_scale:.4f}")
+                try:
+                    loss = self.step(step, lr_scale)
+                except ShardError as e:  # raised before the step's work: keep what was trained
+                    self.save_checkpoint(ema, dict(step=step, train_ms=train_ms + now_ms(rt.device) - t0, progress=progress))
+                    raise ShardError(f"{e}; checkpoint {self.ckpt_path} written at step {step}: fix the data, "
+                                     f"then resume with RESUME={self.ckpt_path}") from None
+                # progress by iteration or (capped) by the agreed clock, whichever is further; a stall counts
+                # as at most 3 average steps, so no single snapshot dominates the EMA
+                done = max((step + 1) / cfg.iterations, elapsed / cap_ms if cap_ms > 0 else 0.0)
+                if ema is not None:
+                    ema.update(min(done - progress, 3 * done / (step + 1)))
+                progress = done
+                step += 1
+                first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad)
+                if cfg.train_log_every > 0 and (step <= 10 or step % cfg.train_log_every == 0):
+                    self.check_finite(first_bad)
+                    mean, now = self.mean_loss(loss), train_ms + now_ms(rt.device) - t0
+                    log(f"step:{step}/{cfg.iterations} train_loss:{mean:.4f} train_time:{now:.0f}ms "
+                        f"step_avg:{now / step:.2f}ms eta:{self.eta_s(step, now, start):.0f}s")
+                    last_line = now_ms(HOST)
+                elif rt.is_main and now_ms(HOST) - last_line >= 1000 * PROGRESS_EVERY_S:
+                    last_line = now_ms(HOST)
+                    now = train_ms + last_line - t0
+                    log(f"step:{step}/{cfg.iterations} train_time:{now:.0f}ms eta:{self.eta_s(step, now, start):.0f}s")
+        finally:
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
         train_ms += now_ms(rt.device) - t0
         self.check_finite(first_bad)
         self.release_graphs()
-        return step, train_ms
+        return step, train_ms, 0
+
+    def eta_s(self, step: int, t_ms: float, start: tuple[int, float]) -> float:
+        """Seconds left at this run's mean step time, or to the cap if that comes first."""
+        left = (t_ms - start[1]) / max(step - start[0], 1) * (self.cfg.iterations - step)
+        cap_ms = 1000.0 * self.cfg.max_wallclock_seconds
+        return max(min(left, cap_ms - t_ms) if cap_ms > 0 else left, 0.0) / 1000
+
+    def state(self, ema: EMA | None, clock: dict) -> dict:
+        """Everything the loop needs to go on exactly: weights, optimizer state, EMA, data position, clock
+        (step, train_ms, progress, qat), RNG; warmup's snapshot and a checkpoint's content. Every rank takes part
+        (the momentum gather). Holds references to live tensors."""
+        cuda = self.rt.device.type == "cuda"
+        return dict(magic=CHECKPOINT_MAGIC, settings=asdict(self.cfg), model=self.model.state_dict(),
+                    opt=self.opt.state_dict(), ema=ema.shadow if ema is not None else None,
+                    loader=self.loader.state_dict(), rng=torch.get_rng_state(),
+                    cuda_rng=torch.cuda.get_rng_state(self.rt.device) if cuda else None, clock=clock)
+
+    def load(self, state: dict, ema: EMA | None) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.loader.load_state_dict(state["loader"])
+        if ema is not None and state["ema"] is not None:
+            torch._foreach_copy_(ema.shadow, [t.to(self.rt.device) for t in state["ema"]])
+        torch.set_rng_state(state["rng"])
+        if state["cuda_rng"] is not None and self.rt.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.rt.device)
+        self.clock, self.model.qat_enabled = state["clock"], state["clock"]["qat"]
+
+    def save_checkpoint(self, ema: EMA | None, clock: dict) -> None:
+        state = self.state(ema, dict(clock, qat=self.model.qat_enabled))
+        if self.rt.is_main:
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            write_atomic(self.ckpt_path, buf.getvalue())
+            self.log(f"checkpoint step:{clock['step']} path:{self.ckpt_path} bytes:{buf.tell()}")
 
     def release_graphs(self) -> None:
         """Scoring and TTT after training need the memory the graphs' pool and gradient buffers hold."""
@@ -2070,34 +2268,67 @@ SIZE_LIMIT_BYTES = 16_000_000
 def main() -> int:
     code = Path(__file__).read_text(encoding="utf-8")
     cfg, warnings = Hyperparameters.from_env()
+    explicit = {f.name for f in fields(cfg) if f.name.upper() in os.environ}
+    ckpt = read_checkpoint(cfg.resume) if cfg.resume else None
+    if ckpt is not None:  # the checkpoint's settings, except what names this run
+        names = tuple(f.name for f in fields(cfg) if f.name not in ("run_id", "resume", "eval_only", "artifact_path"))
+        cfg, more = adopt_settings(cfg, ckpt["settings"], names, explicit, f"checkpoint {cfg.resume}")
+        warnings += more
+    stored = read_artifact(cfg.eval_only) if cfg.eval_only else None
+    if stored is not None:
+        cfg, _ = adopt_settings(cfg, stored[0], MODEL_SETTINGS, explicit, f"artifact {cfg.eval_only}")
+    claimed = claim_outputs(cfg)
+    if claimed.run_id != cfg.run_id:
+        warnings.append(f"logs/{cfg.run_id}.txt exists: this run is RUN_ID={claimed.run_id}")
+    cfg = claimed
     rt = init_runtime(cfg)
     log = Logger(cfg.run_id, rt.is_main)
+    try:
+        return run(cfg, rt, log, code, warnings, ckpt, stored)
+    except BaseException as e:
+        log(f"error {type(e).__name__}: {e}", console=False)
+        raise
+
+
+def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: list[str], ckpt: dict | None,
+        stored: tuple | None) -> int:
+    t_start = time.perf_counter()
     log_header(log, cfg, rt, warnings, code)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     log(rt.describe())
+    artifact = Path(cfg.eval_only or cfg.artifact_path)
+    log(f"outputs log:{log.path} artifact:{artifact}" + (f" checkpoints:logs/{cfg.run_id}.ckpt" if cfg.checkpoint_every else ""))
 
     import sentencepiece as spm
     if not Path(cfg.tokenizer_path).is_file():
-        raise FileNotFoundError(f"TOKENIZER_PATH {cfg.tokenizer_path} does not exist")
+        raise FileNotFoundError(f"TOKENIZER_PATH {cfg.tokenizer_path} does not exist: {GET_DATA}")
     luts = build_byte_luts(spm.SentencePieceProcessor(model_file=cfg.tokenizer_path), cfg.vocab_size, rt.device)
-    val_tokens = load_tokens(shard_files(cfg.data_path, "val"), cfg.vocab_size)
+    val_files = shard_files(cfg.data_path, "val")
+    val_tokens = load_tokens(val_files, cfg.vocab_size)
     scorer = Scorer(cfg, rt, val_tokens, luts)
     log(f"val_tokens:{val_tokens.numel()} scored_targets:{val_tokens.numel() - 1} eval_batch_seqs:{scorer.batch_seqs}")
+    sample = is_sample_shard(val_files[0])
+    if sample:
+        log("sample_data: the offline sample (data/make_sample.py): scores are not comparable to FineWeb scores")
 
     model = build_model(cfg, rt)
     log(f"model_params:{sum(p.numel() for p in model.parameters())}")
-    artifact = Path(cfg.eval_only or cfg.artifact_path)
+    train_ms = 0.0
     if not cfg.eval_only:
         files = shard_files(cfg.data_path, "train")
         tokens = sum(shard_token_count(f) for f in files)  # token ranges are checked when a shard is opened
         log(f"train_data shards:{len(files)} tokens:{tokens} epochs_at_max_iterations:"
             f"{cfg.iterations * cfg.train_batch_tokens / max(tokens, 1):.2f} sampling:{cfg.train_sampling}")
-        loader = TrainLoader(files, cfg, rt)
-        trainer = Trainer(cfg, rt, model, loader, log)
+        trainer = Trainer(cfg, rt, model, TrainLoader(files, cfg, rt), log)
         trainer.warmup()
         ema = EMA(model, cfg.ema_horizon, cfg.ema_decay) if cfg.ema_enabled else None
-        steps, train_ms = trainer.train(scorer, ema)
+        if ckpt is not None:
+            trainer.load(ckpt, ema)
+            log(f"resumed_from:{cfg.resume} step:{trainer.clock['step']} train_time:{trainer.clock['train_ms']:.0f}ms")
+        steps, train_ms, stopped_by = trainer.train(scorer, ema)
+        if stopped_by:
+            return 128 + stopped_by  # the shell's convention for a process ended by a signal
         log(f"train_done steps:{steps} train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms")
         if rt.device.type == "cuda":
             log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
@@ -2111,34 +2342,53 @@ def main() -> int:
             log_score(log, "post_ema", scorer(model, cfg.eval_seq_len))
         if rt.is_main:
             t0 = time.perf_counter()
-            blob, method = compress(pack_tensors(quantize_state(model.state_dict(), cfg)), cfg.compressor)
-            artifact.write_bytes(blob)
+            blob, method = compress(pack_tensors(quantize_state(model.state_dict(), cfg), cfg), cfg.compressor)
+            write_atomic(artifact, blob)
             log(f"Serialized model int6+{method}: {len(blob)} bytes export_time:{1000 * (time.perf_counter() - t0):.0f}ms")
         if _distributed():
             dist.barrier()
-    if not artifact.is_file():
-        raise FileNotFoundError(f"artifact {artifact} does not exist")
+        stored = read_artifact(artifact)  # the file, not the model in memory, is what is scored
     blob = artifact.read_bytes()
-    method = {v: k for k, v in COMPRESSOR_CODES.items()}.get(blob[4] if len(blob) > 4 else -1, "unknown")
+    method = {v: k for k, v in COMPRESSOR_CODES.items()}[blob[4]]
     code_bytes = len(code.encode("utf-8"))
     total = len(blob) + code_bytes
     log(f"code_bytes:{code_bytes}")
     log(f"Total submission size int6+{method}: {total} bytes limit:{SIZE_LIMIT_BYTES} headroom:{SIZE_LIMIT_BYTES - total}")
 
     eval_model = build_model(cfg, rt)  # fresh model, weights only from the file
-    eval_model.load_state_dict(load_artifact(artifact, eval_model.state_dict(), cfg.num_layers))
+    eval_model.load_state_dict(dequantize_state(stored[1], eval_model.state_dict(), cfg.num_layers))
     log_score(log, "final_int6_roundtrip", scorer(eval_model, cfg.eval_seq_len))
-    log_score(log, "final_int6_sliding_window", scorer(eval_model, cfg.eval_stride), f" stride:{cfg.eval_stride}")
+    score, key = scorer(eval_model, cfg.eval_stride), "final_int6_sliding_window"
+    log_score(log, key, score, f" stride:{cfg.eval_stride}")
     if cfg.ttt_enabled:  # last: it changes the weights
-        log_score(log, "legal_ttt", legal_ttt(cfg, rt, eval_model, scorer, log))
+        score, key = legal_ttt(cfg, rt, eval_model, scorer, log), "legal_ttt"
+        log_score(log, key, score)
+    log(f"summary score:{key} val_bpb:{score.bpb:.8f} artifact:{artifact} total_bytes:{total} train_time:"
+        f"{train_ms / 1000:.1f}s wall_time:{time.perf_counter() - t_start:.1f}s"
+        + (" sample_data:not_comparable_to_FineWeb" if sample else ""))
     if total > SIZE_LIMIT_BYTES:
         log(f"ERROR submission_over_limit total:{total} limit:{SIZE_LIMIT_BYTES} over_by:{total - SIZE_LIMIT_BYTES}")
         return 1
     return 0
 
 
+def report_error(e: BaseException) -> int:
+    """One line on stderr for an error that ends the run (main wrote it to the log). Errors every rank meets
+    alike (settings, data, a non-finite loss) are reported by rank 0 only."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0 or not isinstance(e, (ValueError, OSError, FloatingPointError)):
+        what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+        print(f"error{f' (rank {rank})' if rank else ''}: {what} (DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
+    return 130 if isinstance(e, KeyboardInterrupt) else 1
+
+
 if __name__ == "__main__":
-    rc = main()
+    try:
+        rc = main()
+    except (ValueError, OSError, RuntimeError, FloatingPointError, KeyboardInterrupt) as e:
+        if os.environ.get("DEBUG") == "1":
+            raise
+        sys.exit(report_error(e))  # no barrier: the other ranks may never get there
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # tearing gloo down while a peer is still talking aborts the process
         dist.destroy_process_group()

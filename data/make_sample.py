@@ -37,8 +37,10 @@ from pathlib import Path
 
 try:
     from make_shards import train_tokenizer, write_shards
+    from shards import SAMPLE_MARK
 except ImportError:  # imported as data.make_sample from the repo root
     from data.make_shards import train_tokenizer, write_shards
+    from data.shards import SAMPLE_MARK
 
 SHUFFLE_SEED = 1337
 # Never imported: side effects on import (antigravity opens a browser, this prints), GUI/test suites
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     data_dir = out / "datasets" / f"sample_sp{args.vocab_size}"
     try:
         sp = train_tokenizer(docs[val_docs:], args.vocab_size, model_path)
-        stats = write_shards(docs, sp, data_dir, val_docs)
+        stats = write_shards(docs, sp, data_dir, val_docs, mark=SAMPLE_MARK)  # train_gpt.py says: not FineWeb
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     print(f"sample python:{sys.version.split()[0]} docs:{len(docs)} chars:{sum(map(len, docs))} "

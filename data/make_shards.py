@@ -193,8 +193,8 @@ def train_tokenizer(docs: Iterable[str], vocab_size: int, model_path: str | os.P
 class ShardStream:
     """Accumulates one split's token stream and writes it as fixed-size shards."""
 
-    def __init__(self, out_dir: Path, split: str, shard_tokens: int):
-        self.out_dir, self.split, self.shard_tokens = out_dir, split, shard_tokens
+    def __init__(self, out_dir: Path, split: str, shard_tokens: int, mark: int = 0):
+        self.out_dir, self.split, self.shard_tokens, self.mark = out_dir, split, shard_tokens, mark
         self.pending: list[np.ndarray] = []
         self.pending_tokens = self.total_tokens = self.docs = 0
         self.files: list[Path] = []
@@ -216,7 +216,7 @@ class ShardStream:
 
     def _write(self, tokens: np.ndarray) -> None:
         path = self.out_dir / f"fineweb_{self.split}_{len(self.files):06d}.bin"
-        write_shard(path, tokens)
+        write_shard(path, tokens, self.mark)
         self.files.append(path)
 
 
@@ -228,13 +228,14 @@ def _check_split_args(val_docs: int, shard_tokens: int) -> None:
 
 
 def write_shards(docs: Iterable[str], sp: spm.SentencePieceProcessor, out_dir: str | os.PathLike,
-                 val_docs: int, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> dict:
-    """Encode docs as [BOS] + ids; the first val_docs go to val shards, the rest to train shards."""
+                 val_docs: int, shard_tokens: int = DEFAULT_SHARD_TOKENS, mark: int = 0) -> dict:
+    """Encode docs as [BOS] + ids; the first val_docs go to val shards, the rest to train shards (header word 3
+    = mark: shards.SAMPLE_MARK for the offline sample)."""
     _check_split_args(val_docs, shard_tokens)
     check_tokenizer(sp, "tokenizer")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    streams = {s: ShardStream(out_dir, s, shard_tokens) for s in ("val", "train")}
+    streams = {s: ShardStream(out_dir, s, shard_tokens, mark) for s in ("val", "train")}
     docs_iter = iter(docs)
     index = 0
     while batch := list(itertools.islice(docs_iter, ENCODE_BATCH_DOCS)):

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 [ -f data/sample/tokenizers/sample_1024_bpe.model ] || python3 data/make_sample.py --out data/sample
 export DATA_PATH=${DATA_PATH:-data/sample/datasets/sample_sp1024}
 export TOKENIZER_PATH=${TOKENIZER_PATH:-data/sample/tokenizers/sample_1024_bpe.model}
-export DEVICE=${DEVICE:-cpu} RUN_ID=${RUN_ID:-quickstart} ARTIFACT_PATH=${ARTIFACT_PATH:-logs/quickstart.int6.ptz}
+export DEVICE=${DEVICE:-cpu} RUN_ID=${RUN_ID:-quickstart}
 export NUM_LAYERS=${NUM_LAYERS:-4} MODEL_DIM=${MODEL_DIM:-128} NUM_HEADS=${NUM_HEADS:-4} NUM_KV_HEADS=${NUM_KV_HEADS:-2}
 export VE_LAYERS=${VE_LAYERS:-2,3} XSA_LAST_N=${XSA_LAST_N:-2} ROPE_DIMS=${ROPE_DIMS:-16}
 export TRAIN_SEQ_LEN=${TRAIN_SEQ_LEN:-256} TRAIN_BATCH_TOKENS=${TRAIN_BATCH_TOKENS:-8192}

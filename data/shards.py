@@ -2,6 +2,7 @@
 
 Layout of `fineweb_{train,val}_NNNNNN.bin`:
     header: 256 little-endian int32 (1024 bytes): [0]=20240520 (magic), [1]=1 (version), [2]=num_tokens, rest 0
+            (except [3]=SAMPLE_MARK in the offline sample's shards, which train_gpt.py flags as not FineWeb)
     body:   num_tokens little-endian uint16 token ids
 
     from shards import read_shard, write_shard
@@ -20,6 +21,7 @@ SHARD_VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 MAX_TOKEN_ID = 65535  # ids are stored as uint16
+SAMPLE_MARK = 0x504D4153  # header word 3 of data/make_sample.py's shards (b"SAMP"); train_gpt.py's copy must match
 
 
 def read_header(path: str | os.PathLike) -> int:
@@ -50,9 +52,9 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
     return np.fromfile(path, dtype="<u2", count=num_tokens, offset=HEADER_BYTES).astype(np.uint16, copy=False)
 
 
-def write_shard(path: str | os.PathLike, tokens) -> None:
-    """Write tokens (any int sequence/array) as one shard. Writes to a temporary name first so an
-    interrupted run never leaves a shard that passes the size check with a wrong header."""
+def write_shard(path: str | os.PathLike, tokens, mark: int = 0) -> None:
+    """Write tokens (any int sequence/array) as one shard (`mark` in header word 3). Writes to a temporary
+    name first so an interrupted run never leaves a shard that passes the size check with a wrong header."""
     path = Path(path)
     arr = np.asarray(tokens)
     if arr.ndim != 1:
@@ -60,7 +62,7 @@ def write_shard(path: str | os.PathLike, tokens) -> None:
     if arr.size and (not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
         raise ValueError(f"{path}: token ids must be integers in [0, {MAX_TOKEN_ID}] to fit uint16")
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, arr.size
+    header[0], header[1], header[2], header[3] = SHARD_MAGIC, SHARD_VERSION, arr.size, mark
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(header.tobytes())

@@ -11,7 +11,8 @@ and `==== end source ====`, then `event key:value ...` lines) and writes <root>/
 train_gpt.py (the embedded source), train_seed<seed>.log copies, README.md and submission.json.
 A run's score is its `legal_ttt_exact` line if present, else its `final_int6_sliding_window_exact` line.
 
-Refused (exit 1, each problem named with its log): different embedded code, Total submission size over
+Refused (exit 1, each problem named with its log): a log holding more than one run, a run on the offline
+sample (its `sample_data:` line), different embedded code, Total submission size over
 16,000,000 bytes, no final score line, train_done train_time over 600,000 ms, a repeated seed, and an
 existing output folder without --force. With previous-record values (numbers, or logs whose final
 val_loss is read), a one-sided Welch t-test asks whether our mean val_loss is at least 0.005 nats below
@@ -142,6 +143,8 @@ class RunLog:
     stopped_early: bool = False
     peak_mib: tuple[int, int] | None = None  # (allocated, reserved), CUDA runs only
     curve: list[tuple[int, float, float]] = field(default_factory=list)  # (step, train_loss, train_time ms)
+    runs: int = 0  # source blocks: one per run that wrote to this log
+    sample_data: bool = False  # trained or scored on the offline sample (train_gpt.py's `sample_data:` line)
 
     @property
     def score_event(self) -> str | None:
@@ -199,6 +202,7 @@ def parse_log(path: Path) -> RunLog:
     lines = text.split("\n")
     run = RunLog(path)
     run.source, first = _extract_source(lines)
+    run.runs = lines.count(SOURCE_START)
     for line in lines[first:]:  # never read key:value lines out of the embedded source
         event = line.split(" ", 1)[0]
         if m := re.fullmatch(r"setting (\w+):(.*)", line):
@@ -211,6 +215,8 @@ def parse_log(path: Path) -> RunLog:
             run.code_bytes = int(m[1])
         elif event == "stopping_early:":
             run.stopped_early = True
+        elif event == "sample_data:":
+            run.sample_data = True
         elif m := re.fullmatch(r"peak memory allocated: (\d+) MiB reserved: (\d+) MiB", line):
             run.peak_mib = (int(m[1]), int(m[2]))
         elif m := re.fullmatch(r"step:(\d+)/\d+ train_loss:(\S+) train_time:(\S+)ms .*", line):
@@ -227,6 +233,10 @@ def parse_log(path: Path) -> RunLog:
 def problems_of(run: RunLog) -> list[str]:
     """Reasons this single log cannot be part of a record (empty when it qualifies)."""
     out = []
+    if run.runs > 1:
+        out.append(f"the log holds {run.runs} runs (a reused RUN_ID before train_gpt.py gave each run its own log)")
+    if run.sample_data:
+        out.append("trained or scored on the offline sample (data/make_sample.py), not FineWeb")
     if run.source is None:
         out.append(f"no embedded source (`{SOURCE_START}` line missing)")
     elif run.code_bytes is None:

@@ -114,15 +114,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_script(env: dict[str, str], cwd: Path, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run train_gpt.py as a user would (torchrun for nproc > 1) in `cwd`; logs land in cwd/logs."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+def _script_command(env: dict[str, str], nproc: int) -> tuple[list[str], dict[str, str]]:
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "DEBUG"))}
     full.update(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if nproc == 1:
-        cmd = [sys.executable, str(SCRIPT)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT)]
+        return [sys.executable, str(SCRIPT)], full
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT)], full
+
+
+def run_script(env: dict[str, str], cwd: Path, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run train_gpt.py as a user would (torchrun for nproc > 1) in `cwd`; logs land in cwd/logs."""
+    cmd, full = _script_command(env, nproc)
+    cwd.mkdir(parents=True, exist_ok=True)
     return subprocess.run(cmd, env=full, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def run_script_interrupted(env: dict[str, str], cwd: Path, after: str, sig: int, timeout: int = 300) -> tuple:
+    """Run train_gpt.py (1 process) and send it `sig` once it has printed a line starting with `after`: stopped
+    first (SIGSTOP), so it cannot run on while the signal is on its way; returns (returncode, stdout, stderr)."""
+    import signal
+    cmd, full = _script_command(env, 1)
+    p = subprocess.Popen(cmd, env=full, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if line.startswith(after):
+            for s in (signal.SIGSTOP, sig, signal.SIGCONT):
+                os.kill(p.pid, s)
+            break
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, "".join(seen) + out, err
 
 
 def _spawn_entry(rank, world_size, port, fn, args, results):

@@ -166,3 +166,59 @@ def test_int6_scale_floor_below_fp16_range_is_an_error():
     with pytest.raises(ValueError, match="INT6_SCALE_FLOOR must be >= 2\\^-14"):
         make_cfg(INT6_SCALE_FLOOR="1e-9")
     assert make_cfg(INT6_SCALE_FLOOR="0.0001").int6_scale_floor == 0.0001
+
+
+@pytest.mark.parametrize("key, raw, message", [
+    ("NUM_KV_HEADS", "0", "NUM_KV_HEADS=0 is out of range: it must be > 0"),  # was a ZeroDivisionError
+    ("MODEL_DIM", "0", "MODEL_DIM=0 is out of range: it must be > 0"),  # was blamed on ROPE_DIMS
+    ("MATRIX_LR", "-1", "MATRIX_LR=-1.0 is out of range: it must be >= 0"),  # trained, exit 0
+    ("NUM_HEADS", "0", "NUM_HEADS=0 is out of range"), ("NUM_LAYERS", "-2", "NUM_LAYERS=-2 is out of range"),
+    ("BETA2", "1", "BETA2=1.0 is out of range: it must be in [0, 1)"), ("MUON_MOMENTUM", "1.5", "MUON_MOMENTUM"),
+    ("TTT_GRAD_CLIP", "0", "TTT_GRAD_CLIP=0.0 is out of range"), ("WARMDOWN_ITERS", "-1", "WARMDOWN_ITERS"),
+    ("CHECKPOINT_EVERY", "-5", "CHECKPOINT_EVERY"), ("BIGRAM_VOCAB_SIZE", "1", "0 (off) or >= 2"),
+    ("VOCAB_SIZE", "70000", "VOCAB_SIZE must be <= 65536"), ("MATRIX_LR", "nan", "malformed value for MATRIX_LR"),
+    ("SCALAR_LR", "inf", "malformed value for SCALAR_LR"),
+])
+def test_values_out_of_range_are_refused_at_the_start_naming_the_setting(key, raw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tg.Hyperparameters.from_env({key: raw})
+
+
+def test_every_number_has_a_range():
+    """A new numeric setting must join one of the range lists (or be one of the few with a rule of their own)."""
+    own_rule = {"seed", "qk_gain_init", "int6_scale_floor", "rope_dims"}  # any; any; own floor; even, <= head dim
+    numbers = {f.name for f in dataclasses.fields(tg.Hyperparameters) if f.type in ("int", "float")}
+    ranged = set(tg.POSITIVE) | set(tg.NON_NEGATIVE) | set(tg.FRACTIONS)
+    assert numbers - own_rule == ranged and not ranged - numbers
+
+
+@pytest.mark.parametrize("run_id", ["exp/one", "../escaped", "/tmp/abs", ".hidden", "a b", "-x"])
+def test_run_id_is_a_plain_name(run_id):
+    """RUN_ID names files in logs/: a path in it wrote outside logs/ (or failed after training)."""
+    with pytest.raises(ValueError, match="RUN_ID .* is not a plain name"):
+        tg.Hyperparameters.from_env({"RUN_ID": run_id})
+    assert make_cfg(RUN_ID="exp-1_a.b").run_id == "exp-1_a.b"
+
+
+def test_resume_and_eval_only_exclude_each_other():
+    with pytest.raises(ValueError, match="RESUME and EVAL_ONLY exclude each other"):
+        tg.Hyperparameters.from_env({"RESUME": "a.ckpt", "EVAL_ONLY": "a.ptz"})
+
+
+def test_stored_settings_fill_what_the_environment_leaves_unset():
+    """adopt_settings (EVAL_ONLY from an artifact, RESUME from a checkpoint): unset settings take the stored value;
+    a set one stays, with a warning, unless it is a model setting (another model: an error)."""
+    stored = dataclasses.asdict(make_cfg(NUM_LAYERS=12, MODEL_DIM=256, MATRIX_LR=0.02))
+    names = tuple(f.name for f in dataclasses.fields(tg.Hyperparameters) if f.name != "run_id")
+    cfg, warnings = tg.adopt_settings(make_cfg(MATRIX_LR=0.05, NUM_LAYERS=12), stored, names,
+                                      {"matrix_lr", "num_layers"}, "checkpoint x.ckpt")
+    assert (cfg.num_layers, cfg.model_dim, cfg.matrix_lr) == (12, 256, 0.05)
+    assert warnings == ["MATRIX_LR=0.05 but checkpoint x.ckpt was made with MATRIX_LR=0.02; the environment's "
+                        "value is used"]
+    with pytest.raises(ValueError, match="NUM_LAYERS=13 but checkpoint x.ckpt was made with NUM_LAYERS=12: leave "
+                                         "NUM_LAYERS unset to use the stored value"):
+        tg.adopt_settings(make_cfg(NUM_LAYERS=13), stored, names, {"num_layers"}, "checkpoint x.ckpt")
+    with pytest.raises(ValueError, match="another version of train_gpt.py .*'depth_recurrence'"):
+        tg.adopt_settings(make_cfg(), dict(stored, depth_recurrence=2), names, set(), "artifact a.ptz")
+    with pytest.raises(ValueError, match="missing: \\['xsa_last_n'\\]"):
+        tg.adopt_settings(make_cfg(), {k: v for k, v in stored.items() if k != "xsa_last_n"}, names, set(), "a")

@@ -157,6 +157,39 @@ def test_train_loader_state_dict_restores_position(small_shards):
     assert step3 == _expected_step(all_tokens, 3, 32, 4)
 
 
+def test_a_bad_shard_is_raised_at_the_step_that_needs_it_and_the_position_stays_before_it(small_shards):
+    """The trainer prefetches the next step's batch while a step runs: a bad shard found then must not break the
+    step under way (its error comes with the next batch), and the loader's position stays where a checkpoint
+    resumes once the shard is fixed."""
+    files, all_tokens = small_shards
+    good = np.asarray(tg.open_shard(files[3], 1024)).copy()
+    bad = good.copy()
+    bad[5] = 2000  # >= VOCAB_SIZE
+    write_shard(Path(files[3]), bad)
+    cfg = make_cfg(TRAIN_SEQ_LEN=4, TRAIN_BATCH_TOKENS=32)  # step 1 reads tokens 32..64: shard 3 starts at 56
+    loader = tg.TrainLoader(files, cfg, tg.Runtime())
+    loader.next_batch()
+    loader.prefetch()  # step 1's batch: fails here, raised by next_batch
+    with pytest.raises(ValueError, match="fineweb_train_000003.bin: token id 2000 >= VOCAB_SIZE 1024"):
+        loader.next_batch()
+    state = loader.state_dict()
+    write_shard(Path(files[3]), good)
+    fresh = tg.TrainLoader(files, cfg, tg.Runtime())
+    fresh.load_state_dict(state)
+    got = sorted((tuple(x.tolist()), tuple(y.tolist())) for xs, ys in fresh.next_batch() for x, y in zip(xs, ys))
+    assert got == _expected_step(all_tokens, 1, 32, 4)
+
+
+def test_sample_shards_are_recognised_by_their_header_mark(tmp_path):
+    f = tmp_path / "fineweb_val_000000.bin"
+    write_shard(f, np.arange(10))
+    assert not tg.is_sample_shard(f)
+    raw = bytearray(f.read_bytes())
+    raw[12:16] = tg.SAMPLE_MARK.to_bytes(4, "little")
+    f.write_bytes(bytes(raw))
+    assert tg.is_sample_shard(f) and tg.shard_token_count(f) == 10  # otherwise an ordinary shard
+
+
 def _coprime_expected(all_tokens: np.ndarray, step: int, batch: int, T: int) -> list[tuple]:
     """The coprime-stride rule written independently: n = (N-1)//T slots, stride = the first integer >= the
     golden-ratio point round(0.618 n) coprime with n, the k-th sequence is slot (k * stride) mod n."""

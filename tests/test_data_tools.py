@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
+import train_gpt as tg
+
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 sys.path.insert(0, str(DATA_DIR))
 
@@ -370,3 +372,9 @@ def test_make_sample_builds_readable_deterministic_shards(tmp_path):
     assert f"split:val docs:{n_val} tokens:{val.size}" in proc.stdout
     text = sp.decode(train[:20_000].tolist())
     assert text.count(" the ") > 20 and "Return" in text  # real English docstrings, not byte soup
+    # marked as the sample (header word 3), so train_gpt.py says its scores are not FineWeb scores
+    for f in data.iterdir():
+        assert np.fromfile(f, dtype="<i4", count=4)[3] == shards.SAMPLE_MARK == tg.SAMPLE_MARK
+        assert tg.is_sample_shard(f)
+    shards.write_shard(tmp_path / "plain.bin", [1, 2])  # any other shard: the rest of the header stays 0
+    assert not tg.is_sample_shard(tmp_path / "plain.bin")

@@ -44,16 +44,19 @@ def test_bank_layout_is_the_references():
     assert model.mlp_up_bank.shape == (L, 3 * D, D) and model.mlp_down_bank.shape == (L, D, 3 * D)
 
 
-def read_artifact(blob: bytes) -> dict[str, np.ndarray]:
+def read_artifact(blob: bytes, settings: dict | None = None) -> dict[str, np.ndarray]:
     """Independent reader of the documented format: b"PGA1", compressor byte (0 zstd, 1 lzma), compressed
-    payload; payload = b"PGT1", u32 LE header length, JSON [[name, dtype, shape], ...], raw LE data."""
+    payload; payload = b"PGT2", u32 LE header length, JSON {"settings": {...}, "tensors": [[name, dtype, shape],
+    ...]}, raw LE data. Checks the stored settings against `settings` when given."""
     assert blob[:4] == b"PGA1" and blob[4] in (0, 1)
     payload = zstandard.ZstdDecompressor().decompress(blob[5:]) if blob[4] == 0 else \
         lzma.decompress(blob[5:], format=lzma.FORMAT_XZ)
-    assert payload[:4] == b"PGT1"
+    assert payload[:4] == b"PGT2"
     (hlen,) = struct.unpack("<I", payload[4:8])
     out, off = {}, 8 + hlen
-    for name, dtype, shape in json.loads(payload[8: off]):
+    header = json.loads(payload[8: off])
+    assert settings is None or header["settings"] == settings
+    for name, dtype, shape in header["tensors"]:
         dt = np.dtype({"int8": "i1", "float16": "<f2", "float32": "<f4"}[dtype])
         n = int(np.prod(shape))
         out[name] = np.frombuffer(payload, dt, count=n, offset=off).reshape(shape)
@@ -63,7 +66,7 @@ def read_artifact(blob: bytes) -> dict[str, np.ndarray]:
 
 
 def export(state: dict, cfg: tg.Hyperparameters, method: str) -> tuple[bytes, str]:
-    return tg.compress(tg.pack_tensors(tg.quantize_state(state, cfg)), method)
+    return tg.compress(tg.pack_tensors(tg.quantize_state(state, cfg), cfg), method)
 
 
 # =============================================================================================
@@ -105,10 +108,13 @@ def test_export_roundtrip_error_bounds_and_reproducible(tmp_path, method):
     assert path.read_bytes() == (tmp_path / "b.ptz").read_bytes()
 
     template = tg.build_model(cfg, tg.Runtime()).state_dict()
-    loaded = tg.load_artifact(path, template, L)
+    settings, stored = tg.read_artifact(path)
+    loaded = tg.dequantize_state(stored, template, L)
     assert list(loaded) == list(template)
     assert all(loaded[k].dtype == template[k].dtype and loaded[k].shape == template[k].shape for k in template)
-    packed = read_artifact(path.read_bytes())
+    # the model's settings travel with it, exactly the MODEL_SETTINGS list
+    assert settings == {n: getattr(cfg, n) for n in tg.MODEL_SETTINGS} and "xsa_last_n" in settings
+    packed = read_artifact(path.read_bytes(), settings)
 
     slices = bank_slices(L)
     for name, (bank, j) in slices.items():  # int6 bank matrices
@@ -134,7 +140,7 @@ def test_export_roundtrip_error_bounds_and_reproducible(tmp_path, method):
 
 def test_compressors_auto_picks_smaller_and_format_is_readable():
     cfg = tiny_cfg(**QCFG)
-    payload = tg.pack_tensors(tg.quantize_state(random_model(cfg, seed=2).state_dict(), cfg))
+    payload = tg.pack_tensors(tg.quantize_state(random_model(cfg, seed=2).state_dict(), cfg), cfg)
     blobs = {m: tg.compress(payload, m) for m in ("zstd", "lzma", "auto")}
     assert blobs["zstd"][1] == "zstd" and blobs["lzma"][1] == "lzma"
     sizes = {m: len(blobs[m][0]) for m in ("zstd", "lzma")}
@@ -146,7 +152,7 @@ def test_compressors_auto_picks_smaller_and_format_is_readable():
         assert blob[4] == {"zstd": 0, "lzma": 1}[m]
         body = zstandard.ZstdDecompressor().decompress(blob[5:]) if m == "zstd" else lzma.decompress(blob[5:])
         assert body == payload and tg.decompress(blob) == payload
-        unpacked = tg.unpack_tensors(body)
+        unpacked = tg.unpack_tensors(body)[1]
         ref = read_artifact(blob)
         assert list(unpacked) == list(ref)
         assert all(np.array_equal(unpacked[k].numpy(), ref[k]) for k in ref)
@@ -155,7 +161,7 @@ def test_compressors_auto_picks_smaller_and_format_is_readable():
 def test_fast_coder_is_zstd_level_3_and_reads_back():
     """COMPRESSOR=fast (sweeps): an ordinary zstd artifact, byte-identical to zstandard's own level-3 output."""
     cfg = tiny_cfg(**QCFG)
-    payload = tg.pack_tensors(tg.quantize_state(random_model(cfg, seed=2).state_dict(), cfg))
+    payload = tg.pack_tensors(tg.quantize_state(random_model(cfg, seed=2).state_dict(), cfg), cfg)
     blob, coder = tg.compress(payload, "fast")
     assert coder == "zstd" and blob[:5] == b"PGA1\x00"
     assert blob[5:] == zstandard.ZstdCompressor(level=3, write_checksum=True).compress(payload)
@@ -289,8 +295,8 @@ def test_corrupt_or_truncated_artifact_is_a_clear_error(tmp_path, dataset, token
     with pytest.raises(ValueError, match="corrupt|truncated"):
         tg.decompress(bad.read_bytes())
     with pytest.raises(ValueError, match="corrupt|truncated"):
-        tg.load_artifact(bad, template, cfg.num_layers)
-    tg.load_artifact(tmp_path / "good.ptz", template, cfg.num_layers)  # the undamaged file loads
+        tg.read_artifact(bad)
+    tg.dequantize_state(tg.read_artifact(tmp_path / "good.ptz")[1], template, cfg.num_layers)  # the undamaged file loads
 
 
 def test_artifact_with_trailing_bytes_is_rejected(tmp_path):
@@ -314,12 +320,26 @@ def test_eval_only_corrupt_artifact_exits_nonzero(tmp_path, dataset, tokenizer_p
     assert "final_int6_roundtrip" not in r.stdout
 
 
-def test_eval_only_wrong_config_artifact(tmp_path, dataset, tokenizer_path):
+@pytest.mark.parametrize("key, value", [("NUM_LAYERS", "3"), ("XSA_LAST_N", "0"), ("MLP_NEGATIVE_SLOPE", "0")])
+def test_eval_only_refuses_model_settings_that_differ_from_the_artifacts(tmp_path, dataset, tokenizer_path, key,
+                                                                           value):
+    """Before artifacts stored their settings, XSA_LAST_N=0 scored the quickstart artifact 2.3397 instead of 1.8146
+    (exit 0), MLP_NEGATIVE_SLOPE=0 1.8900: settings that keep the tensor shapes went unchecked."""
     good = tmp_path / "good.ptz"
     write_artifact(good, env_cfg(dataset, tokenizer_path), "lzma")
-    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(good), NUM_LAYERS="3", RUN_ID="wrong"), tmp_path)
-    assert r.returncode != 0
-    assert "does not match the model settings" in r.stderr, r.stderr[-2000:]
+    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(good), RUN_ID="wrong", **{key: value}), tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1 and f"{key}=" in errors[0] and f"leave {key} unset" in errors[0], r.stderr[-2000:]
+    assert str(good) in errors[0]
+
+
+def test_tensors_of_another_model_are_refused():
+    cfg = tiny_cfg()
+    _, stored = tg.unpack_tensors(tg.decompress(export(random_model(cfg, seed=3).state_dict(), cfg, "zstd")[0]))
+    template = tg.build_model(tiny_cfg(num_layers=3), tg.Runtime()).state_dict()
+    with pytest.raises(ValueError, match="does not match the model settings"):
+        tg.dequantize_state(stored, template, 3)
 
 
 def test_over_limit_artifact_scores_then_fails(tmp_path, dataset, tokenizer_path):
@@ -335,7 +355,7 @@ def test_over_limit_artifact_scores_then_fails(tmp_path, dataset, tokenizer_path
                                                      dtype=torch.int8)
     packed["bigram.embed.weight.scale"] = torch.full((buckets,), 1e-3, dtype=torch.float16)
     big = tmp_path / "big.ptz"
-    big.write_bytes(tg.compress(tg.pack_tensors(packed), "zstd")[0])
+    big.write_bytes(tg.compress(tg.pack_tensors(packed, cfg), "zstd")[0])
     code_bytes = len(SCRIPT.read_bytes())
     total = big.stat().st_size + code_bytes
     assert total > 16_000_000 == tg.SIZE_LIMIT_BYTES
@@ -362,12 +382,16 @@ def trained(tmp_path_factory, dataset, tokenizer_path):
 
 def test_eval_only_reproduces_training_run_scores(tmp_path, dataset, tokenizer_path, trained):
     cwd, train_lines = trained
-    artifact = cwd / "final_model.int6.ptz"
+    artifact = cwd / "logs" / "train.int6.ptz"  # the default ARTIFACT_PATH: logs/<RUN_ID>.int6.ptz
     assert artifact.is_file()
-    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(artifact), RUN_ID="eval"), tmp_path)
+    # EVAL_ONLY builds the model from the artifact's settings: the tiny model's are all left unset here
+    env = {k: v for k, v in tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(artifact), RUN_ID="eval").items()
+           if k.lower() not in tg.MODEL_SETTINGS}
+    assert "NUM_LAYERS" not in env and "VOCAB_SIZE" not in env
+    r = run_script(env, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     eval_lines = r.stdout.splitlines()
-    assert not (tmp_path / "final_model.int6.ptz").exists()  # EVAL_ONLY writes no artifact
+    assert not list((tmp_path / "logs").glob("*.ptz"))  # EVAL_ONLY writes no artifact
 
     def pick(lines, key):
         found = [ln for ln in lines if ln.split(" ", 1)[0] == key]
@@ -383,3 +407,15 @@ def test_eval_only_reproduces_training_run_scores(tmp_path, dataset, tokenizer_p
     line = pick(eval_lines, "Total")
     assert line.startswith("Total submission size") and f" {total} bytes " in line
     assert pick(train_lines, "Total") == pick(eval_lines, "Total")
+
+
+def test_a_failed_write_leaves_the_previous_file_whole(tmp_path, monkeypatch):
+    """A full disk used to leave a half-written artifact: write_atomic writes beside the file, then renames."""
+    path = tmp_path / "model.ptz"
+    tg.write_atomic(path, b"old artifact")
+    def disk_full(src, dst):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(tg.os, "replace", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        tg.write_atomic(path, b"new artifact")
+    assert path.read_bytes() == b"old artifact" and [p.name for p in tmp_path.iterdir()] == ["model.ptz"]

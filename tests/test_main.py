@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import shutil
+import signal
 
+import numpy as np
 import pytest
 import torch
 
-from conftest import SCRIPT, TINY_VOCAB, run_script, tiny_env
+from conftest import SCRIPT, TINY_VOCAB, run_script, run_script_interrupted, tiny_env, write_shard
 
 import train_gpt as tg
 
@@ -23,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # 8, 9, 10. Whole runs (python3 train_gpt.py / torchrun, as a user would)
 # =============================================================================================
 
-LOSS_LINE = re.compile(r"^step:(\d+)/(\d+) train_loss:(\S+) train_time:(\d+)ms step_avg:([\d.]+)ms$", re.M)
+LOSS_LINE = re.compile(r"^step:(\d+)/(\d+) train_loss:(\S+) train_time:(\d+)ms step_avg:([\d.]+)ms eta:(\d+)s$", re.M)
 
 
 def parse_losses(log: str) -> dict[int, float]:
@@ -38,13 +41,14 @@ def one_line(log: str, prefix: str) -> str:
 
 @pytest.fixture(scope="module")
 def seed_runs(dataset, tokenizer_path, tmp_path_factory):
-    """Two 1-process runs of the tiny config with the same settings (RUN_ID aside)."""
+    """Two 1-process runs of the tiny config with the same settings (RUN_ID aside): their logs, and their folders
+    under "<RUN_ID>_cwd"."""
     logs = {}
     for run_id in ("same_a", "same_b"):
         cwd = tmp_path_factory.mktemp(run_id)
         r = run_script(tiny_env(dataset, tokenizer_path, RUN_ID=run_id), cwd)
         assert r.returncode == 0, r.stderr[-3000:]
-        logs[run_id] = (cwd / "logs" / f"{run_id}.txt").read_text()
+        logs[run_id], logs[f"{run_id}_cwd"] = (cwd / "logs" / f"{run_id}.txt").read_text(), cwd
     return logs
 
 
@@ -121,3 +125,142 @@ def test_nan_loss_stops_the_run_naming_the_step(dataset, tokenizer_path, tmp_pat
     losses = parse_losses((tmp_path / "logs" / "nan.txt").read_text())
     assert bad >= 2 and sorted(losses) == list(range(1, bad))  # every step before it was logged, finite
     assert all(math.isfinite(v) for v in losses.values())
+
+
+def test_run_says_where_its_outputs_go_and_ends_with_a_summary(seed_runs):
+    log = seed_runs["same_a"]
+    assert one_line(log, "outputs ") == "outputs log:logs/same_a.txt artifact:logs/same_a.int6.ptz"
+    assert (seed_runs["same_a_cwd"] / "logs" / "same_a.int6.ptz").is_file()  # the default ARTIFACT_PATH
+    exact = one_line(log, "final_int6_sliding_window_exact ").split("val_bpb:")[1]
+    total = one_line(log, "Total submission size").split(": ")[1].split()[0]
+    summary = log.strip().splitlines()[-1]
+    assert re.fullmatch(rf"summary score:final_int6_sliding_window val_bpb:{exact} artifact:logs/same_a.int6.ptz "
+                        rf"total_bytes:{total} train_time:\d+\.\ds wall_time:\d+\.\ds", summary), summary
+    assert "\nsample_data:" not in log
+    etas = [int(m.group(6)) for m in LOSS_LINE.finditer(log)]
+    assert etas[-1] == 0 and etas[0] >= etas[-1]  # the estimated time left counts down to 0
+
+
+# =============================================================================================
+# Checkpoints and resume
+# =============================================================================================
+
+def test_sigterm_writes_a_checkpoint_and_the_resumed_run_is_exact(seed_runs, dataset, tokenizer_path, tmp_path):
+    """SIGTERM mid-run: a checkpoint at the next step's start, one line saying how to resume, exit 128+15. The
+    resumed run (RESUME=..., the same settings) logs the losses, scores and artifact of the uninterrupted one."""
+    env = tiny_env(dataset, tokenizer_path, RUN_ID="same_a")  # seed_runs' settings
+    rc, out, err = run_script_interrupted(env, tmp_path, after="step:3/", sig=signal.SIGTERM)
+    assert rc == 128 + signal.SIGTERM, err[-3000:]
+    m = re.search(r"^interrupted by SIGTERM at step (\d+): resume with RESUME=logs/same_a.ckpt and the same settings$",
+                  out, re.M)
+    assert m and 3 <= int(m.group(1)) < 20, out[-2000:]
+    k = int(m.group(1))
+    assert f"checkpoint step:{k} path:logs/same_a.ckpt" in out and "final_int6" not in out
+    assert not (tmp_path / "logs" / "same_a.int6.ptz").exists()
+    r = run_script(dict(env, RESUME="logs/same_a.ckpt"), tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = (tmp_path / "logs" / "same_a_2.txt").read_text()  # one run, one log
+    assert re.search(rf"^resumed_from:logs/same_a.ckpt step:{k} train_time:\d+ms$", resumed, re.M)
+    base = seed_runs["same_a"]
+    lines = lambda log: [m.group(0).split(" train_time")[0] for m in LOSS_LINE.finditer(log)]
+    assert lines(resumed) == lines(base)[k:] and len(lines(resumed)) == 20 - k
+    for key in ("post_ema_exact ", "final_int6_roundtrip_exact ", "final_int6_sliding_window_exact "):
+        assert one_line(resumed, key) == one_line(base, key)
+    assert (tmp_path / "logs" / "same_a_2.int6.ptz").read_bytes() == \
+        (seed_runs["same_a_cwd"] / "logs" / "same_a.int6.ptz").read_bytes()
+
+
+def test_bad_shard_mid_run_keeps_a_checkpoint_and_resumes_exactly_after_the_fix(dataset, tokenizer_path, tmp_path):
+    """2 ranks. The second train shard holds a token id >= VOCAB_SIZE: the run used to crash after step 1; now the
+    step under way completes, a checkpoint is written, one error line names the shard and how to resume. Fixed,
+    the resumed run logs what an uninterrupted run on the fixed data logs."""
+    train = np.asarray(tg.open_shard(dataset / "fineweb_train_000000.bin", TINY_VOCAB))
+    good = train[1200:4000].copy()
+    bad = good.copy()
+    bad[700] = TINY_VOCAB
+    for name, second in (("fixed", good), ("broken", bad)):  # 1,200 tokens: step 3 (513 a step) needs shard 2
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(dataset / "fineweb_val_000000.bin", d)
+        write_shard(d / "fineweb_train_000000.bin", train[:1200])
+        write_shard(d / "fineweb_train_000001.bin", second)
+    env = lambda data, **kw: tiny_env(data, tokenizer_path, ITERATIONS="8", RUN_ID="shard", **kw)
+    r0 = run_script(env(tmp_path / "fixed"), tmp_path / "a", nproc=2)
+    assert r0.returncode == 0, r0.stderr[-3000:]
+    r1 = run_script(env(tmp_path / "broken"), tmp_path / "b", nproc=2)
+    assert r1.returncode != 0
+    errors = [ln for ln in r1.stderr.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1, r1.stderr[-3000:]  # one rank reports what every rank met
+    assert "fineweb_train_000001.bin: token id 512 >= VOCAB_SIZE 512" in errors[0]
+    assert "checkpoint logs/shard.ckpt written at step 2" in errors[0] and "RESUME=logs/shard.ckpt" in errors[0]
+    log1 = (tmp_path / "b" / "logs" / "shard.txt").read_text()
+    assert sorted(parse_losses(log1)) == [1, 2] and log1.strip().splitlines()[-1].startswith("error ShardError: ")
+    write_shard(tmp_path / "broken" / "fineweb_train_000001.bin", good)
+    r2 = run_script(env(tmp_path / "broken", RESUME="logs/shard.ckpt"), tmp_path / "b", nproc=2)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    base, resumed = ((tmp_path / d / "logs" / f).read_text() for d, f in (("a", "shard.txt"), ("b", "shard_2.txt")))
+    lines = lambda log: [m.group(0).split(" train_time")[0] for m in LOSS_LINE.finditer(log)]
+    assert lines(resumed) == lines(base)[2:] and len(lines(base)) == 8
+    for key in ("post_ema_exact ", "final_int6_sliding_window_exact "):
+        assert one_line(resumed, key) == one_line(base, key)
+
+
+# =============================================================================================
+# What a user does wrong: clear errors at the start, one run per log
+# =============================================================================================
+
+def test_errors_are_one_line_logged_too_and_debug_shows_the_traceback(dataset, tokenizer_path, tmp_path):
+    env = tiny_env(tmp_path / "missing", tokenizer_path, RUN_ID="nodata")
+    r = run_script(env, tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"error: FileNotFoundError: DATA_PATH {tmp_path / 'missing'} is not a directory: {tg.GET_DATA} "
+        "(DEBUG=1 shows the traceback)"]
+    log = (tmp_path / "logs" / "nodata.txt").read_text().strip().splitlines()
+    assert log[-1] == f"error FileNotFoundError: DATA_PATH {tmp_path / 'missing'} is not a directory: {tg.GET_DATA}"
+    r = run_script(dict(env, DEBUG="1"), tmp_path)
+    assert r.returncode == 1 and "Traceback" in r.stderr
+
+
+def test_bare_run_without_data_says_how_to_get_it(tmp_path):
+    r = run_script({"DEVICE": "cpu"}, tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "TOKENIZER_PATH ./data/tokenizers/fineweb_1024_bpe.model does not exist" in r.stderr
+    assert "data/cached_challenge_fineweb.py --variant sp1024" in r.stderr and "data/quickstart.sh" in r.stderr
+
+
+def test_a_missing_artifact_folder_fails_at_the_start(dataset, tokenizer_path, tmp_path):
+    """It used to fail after training and scoring (FileNotFoundError, no artifact)."""
+    r = run_script(tiny_env(dataset, tokenizer_path, ARTIFACT_PATH="out/model.ptz", RUN_ID="noout"), tmp_path)
+    assert r.returncode == 1 and "step:" not in r.stdout
+    assert "error: FileNotFoundError: ARTIFACT_PATH's folder out does not exist" in r.stderr, r.stderr[-2000:]
+
+
+def test_two_ranks_report_a_bad_setting_once(dataset, tokenizer_path, tmp_path):
+    r = run_script(tiny_env(dataset, tokenizer_path, MATRIX_LR="-1", RUN_ID="neg"), tmp_path, nproc=2)
+    assert r.returncode != 0
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error")]
+    assert errors == ["error: ValueError: MATRIX_LR=-1.0 is out of range: it must be >= 0 (DEBUG=1 shows the "
+                      "traceback)"], r.stderr[-3000:]
+
+
+def test_a_reused_run_id_gets_its_own_log_and_sample_data_is_flagged(dataset, tokenizer_path, tmp_path):
+    """A second run with the same RUN_ID used to append to the first one's log (and share its artifact path)."""
+    sample = tmp_path / "sample"
+    sample.mkdir()
+    for f in dataset.glob("*.bin"):  # the data marked as data/make_sample.py marks its shards
+        raw = bytearray(f.read_bytes())
+        raw[12:16] = tg.SAMPLE_MARK.to_bytes(4, "little")
+        (sample / f.name).write_bytes(bytes(raw))
+    env = tiny_env(sample, tokenizer_path, ITERATIONS="2", RUN_ID="again")
+    for _ in range(2):
+        r = run_script(env, tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert "warning logs/again.txt exists: this run is RUN_ID=again_2" in r.stdout
+    for run_id in ("again", "again_2"):
+        log = (tmp_path / "logs" / f"{run_id}.txt").read_text()
+        assert log.splitlines().count("==== source: train_gpt.py ====") == 1
+        assert f"outputs log:logs/{run_id}.txt artifact:logs/{run_id}.int6.ptz" in log
+        assert (tmp_path / "logs" / f"{run_id}.int6.ptz").is_file()
+        assert "sample_data: the offline sample" in log
+        assert log.strip().splitlines()[-1].endswith(" sample_data:not_comparable_to_FineWeb")

@@ -475,6 +475,9 @@ def roundtrip_worker(rank: int, world_size: int, overrides: dict) -> dict:
     opt = tg.Optimizers(model, cfg, d)
     run(model, opt, range(3))
     saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    # Muon's momentum shards as whole banks, on the CPU: a checkpoint fits any world size
+    assert [tuple(m.shape) for m in saved[1]["momentum"]] == [tuple(p.shape) for p in opt.muon.banks]
+    assert all(m.device.type == "cpu" for m in saved[1]["momentum"])
     momentum_dtypes = sorted(str(s["momentum"].dtype) for s in opt.muon.state.values())
     run(model, opt, range(3, 6))
     a = {n: _as_np(p) for n, p in model.named_parameters()}
@@ -508,3 +511,19 @@ def test_optimizer_state_roundtrip(world_size, reduce_dtype):
             np.testing.assert_array_equal(res["b"][n], res["a"][n], err_msg=n)
         # The optimizer state matters: without it (fresh momentum/Adam moments) the result differs.
         assert max(rel_err(res["c"][n], res["a"][n]) for n in BANKS) > 1e-3
+
+
+def test_whole_momentum_is_cut_into_the_shards_of_any_world_size():
+    """A checkpoint stores each bank's momentum whole; a rank of any world size keeps its padded shard of it."""
+    bank = torch.nn.Parameter(torch.zeros(5, 2, 3))
+    m = torch.randn(5, 2, 3)
+    for world_size in (1, 2, 3, 8):
+        shards = []
+        for rank in range(world_size):
+            muon = tg.ParallelMuon([bank], 0.1, 0.9, 0.0, 1, torch.float32, world_size)
+            muon.load_whole_momentum(bank, m, rank)
+            shards.append(muon.state[bank]["momentum"])
+        assert all(s.shape == (-(-5 // world_size), 2, 3) for s in shards)
+        assert torch.equal(torch.cat(shards)[:5], m) and not torch.cat(shards)[5:].any()
+        if world_size == 1:
+            assert torch.equal(muon.whole_momentum(bank), m)

@@ -68,6 +68,21 @@ def test_readme_names_the_test_command_ci_runs():
     assert "python3 -m pytest -q tests" in readme and "python3 -m pytest -q tests" in ci
 
 
+def test_readme_world_sizes_are_those_the_default_batch_divides_into():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    cfg, _ = tg.Hyperparameters.from_env({})
+
+    def works(n: int, c=cfg) -> bool:
+        try:
+            return tg.grad_accum_steps(c, n) > 0
+        except ValueError:
+            return False
+    assert [n for n in range(1, 9) if works(n)] == [1, 2, 3, 4, 6, 8]
+    assert "works for N = 1, 2, 3, 4, 6 and 8 with the default batch" in readme
+    assert "(N = 5: `TRAIN_BATCH_TOKENS=819200 GRAD_ACCUM_STEPS=2`)" in readme
+    assert works(5, dataclasses.replace(cfg, train_batch_tokens=819200, grad_accum_steps=2))
+
+
 if __name__ == "__main__" and "--write" in sys.argv:
     path = ROOT / "README.md"
     text = path.read_text(encoding="utf-8")

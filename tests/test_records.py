@@ -258,6 +258,21 @@ def test_refusals(tmp_path, capsys, bad, reason):
     assert not (tmp_path / "out").exists()
 
 
+def test_refuses_a_log_of_two_runs_and_a_run_on_the_sample_data(tmp_path, capsys):
+    """A reused RUN_ID used to append a second run to one log, and the packager took the mixed log; a run on the
+    offline sample (data/make_sample.py) was accepted as a record."""
+    twice, _ = make_log(tmp_path, 7)
+    twice.write_text(twice.read_text() * 2)
+    sample, _ = make_log(tmp_path, 8)
+    text = sample.read_text().replace("model_params:", "sample_data: the offline sample (data/make_sample.py): "
+                                      "scores are not comparable to FineWeb scores\nmodel_params:")
+    sample.write_text(text)
+    assert run_cli(tmp_path, [twice, sample]) == 1
+    err = capsys.readouterr().err
+    assert f"{twice}: the log holds 2 runs" in err and f"{sample}: trained or scored on the offline sample" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_refuses_existing_folder_unless_force(tmp_path, capsys):
     log, _ = make_log(tmp_path, 42)
     assert run_cli(tmp_path, [log]) == 0

@@ -1,6 +1,7 @@
 """Runtime: the "auto" choices (gradient accumulation, inductor settings) resolved for this machine."""
 from __future__ import annotations
 
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,3 +69,28 @@ def test_configure_inductor_sets_mix_order_reductions_multi_stage_unless_the_env
         monkeypatch.delattr(ic.triton, "mix_order_reduction_allow_multi_stages")
         tg.configure_inductor()
         assert ic.triton.mix_order_reduction is False
+
+
+# =============================================================================================
+# Outputs: one run, one log; folders checked at the start
+# =============================================================================================
+
+def test_a_taken_run_id_gets_the_first_free_suffix_and_the_artifact_follows(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = tg.claim_outputs(make_cfg(RUN_ID="exp"))
+    assert (cfg.run_id, cfg.artifact_path) == ("exp", "logs/exp.int6.ptz") and (tmp_path / "logs").is_dir()
+    for name in ("exp.txt", "exp_2.txt"):
+        (tmp_path / "logs" / name).write_text("an earlier run\n")
+    cfg = tg.claim_outputs(make_cfg(RUN_ID="exp"))
+    assert (cfg.run_id, cfg.artifact_path) == ("exp_3", "logs/exp_3.int6.ptz")
+    assert tg.claim_outputs(make_cfg(RUN_ID="exp", ARTIFACT_PATH="mine.ptz")).artifact_path == "mine.ptz"
+
+
+def test_a_missing_or_read_only_output_folder_is_an_error_before_anything_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="ARTIFACT_PATH's folder out does not exist: create it"):
+        tg.claim_outputs(make_cfg(ARTIFACT_PATH="out/model.ptz"))
+    (tmp_path / "out").mkdir()
+    monkeypatch.setattr(tg.os, "access", lambda path, mode: Path(path) != Path("out"))  # root may write anywhere
+    with pytest.raises(PermissionError, match="ARTIFACT_PATH's folder out is not writable"):
+        tg.claim_outputs(make_cfg(ARTIFACT_PATH="out/model.ptz"))

@@ -177,7 +177,8 @@ def _run_with_fake_clock(dataset, tokenizer_path, monkeypatch, step_ms, ema_ms, 
     def ema_update(progress_delta):
         deltas.append(progress_delta)
         clock.ms += ema_ms
-    steps, train_ms = tr.train(scorer=None, ema=types.SimpleNamespace(update=ema_update))
+    steps, train_ms, stopped_by = tr.train(scorer=None, ema=types.SimpleNamespace(update=ema_update))
+    assert stopped_by == 0
     return steps, train_ms, lines, record, deltas
 
 
@@ -297,3 +298,18 @@ def test_first_non_finite_step_is_the_earliest_over_ranks():
     msgs = spawn(_report_first_bad, 2, [4, 3])
     assert msgs == ["non-finite training loss at step 3"] * 2, msgs
     assert spawn(_report_first_bad, 2, [-1, 3]) == ["non-finite training loss at step 3"] * 2
+
+
+@pytest.mark.parametrize("cap, want", [
+    (0.0, ["step:3/10 train_time:3000ms eta:7s", "step:6/10 train_time:6000ms eta:4s",
+           "step:9/10 train_time:9000ms eta:1s"]),
+    (5.0, ["step:3/10 train_time:3000ms eta:2s"]),  # capped: the time left to the cap, if that comes first
+])
+def test_progress_lines_without_a_loss_come_when_no_step_line_came_for_a_while(dataset, tokenizer_path,
+                                                                               monkeypatch, cap, want):
+    """A CPU user sees progress every PROGRESS_EVERY_S (10 s) even with sparse step lines; these lines read the
+    host clock and no loss, so they cost no host sync."""
+    monkeypatch.setattr(tg, "PROGRESS_EVERY_S", 2.5)
+    _, _, lines, _, _ = _run_with_fake_clock(dataset, tokenizer_path, monkeypatch, 1000.0, 0.0, ITERATIONS=10,
+                                             TRAIN_LOG_EVERY=0, MAX_WALLCLOCK_SECONDS=cap)
+    assert [ln for ln in lines if ln.startswith("step:")] == want

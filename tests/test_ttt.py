@@ -373,7 +373,7 @@ def ttt_runs(tmp_path_factory, dataset, tokenizer_path):
     cwd, cwd2 = tmp_path_factory.mktemp("ttt_train"), tmp_path_factory.mktemp("ttt_eval")
     r = run_script(tiny_env(dataset, tokenizer_path, ITERATIONS="4", RUN_ID="ttt", **TTT_ENV), cwd)
     assert r.returncode == 0, r.stderr[-3000:]
-    r2 = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(cwd / "final_model.int6.ptz"),
+    r2 = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(cwd / "logs" / "ttt.int6.ptz"),
                              RUN_ID="ttt_eval", **TTT_ENV), cwd2)
     assert r2.returncode == 0, r2.stderr[-3000:]
     return cwd, r.stdout.splitlines(), r2.stdout.splitlines()
