@@ -2212,12 +2212,14 @@ class Trainer:
         self.clock, self.model.qat_enabled = state["clock"], state["clock"]["qat"]
 
     def save_checkpoint(self, ema: EMA | None, clock: dict) -> None:
+        t0 = now_ms(HOST)
         state = self.state(ema, dict(clock, qat=self.model.qat_enabled))
         if self.rt.is_main:
             buf = io.BytesIO()
             torch.save(state, buf)
             write_atomic(self.ckpt_path, buf.getvalue())
-            self.log(f"checkpoint step:{clock['step']} path:{self.ckpt_path} bytes:{buf.tell()}")
+            self.log(f"checkpoint step:{clock['step']} path:{self.ckpt_path} bytes:{buf.tell()} "
+                     f"time:{now_ms(HOST) - t0:.0f}ms")
 
     def release_graphs(self) -> None:
         """Scoring and TTT after training need the memory the graphs' pool and gradient buffers hold."""
