@@ -87,7 +87,8 @@ NON_NEGATIVE = ("iterations", "warmup_steps", "warmdown_iters", "max_wallclock_s
                 "mlp_negative_slope", "tied_embed_init_std", "logit_softcap", "xsa_last_n", "bigram_vocab_size",
                 "matrix_lr", "scalar_lr", "tied_embed_lr", "embed_lr", "head_lr", "muon_momentum_warmup_steps",
                 "muon_wd", "adam_wd", "grad_clip_norm", "ema_horizon", "late_qat_threshold", "val_loss_every",
-                "train_log_every", "checkpoint_every", "ttt_lr", "ttt_epochs", "ttt_freeze_blocks")
+                "train_log_every", "checkpoint_every", "ttt_lr", "ttt_epochs", "ttt_freeze_blocks",
+                "matrix_clip_sigmas", "gptq_calibration_batches", "gptq_reserve_seconds")
 FRACTIONS = ("muon_momentum", "muon_momentum_warmup_start", "beta1", "beta2", "ema_decay", "ttt_momentum")
 # The settings that define the model's function: stored in every artifact (EVAL_ONLY builds the model from them).
 MODEL_SETTINGS = ("vocab_size", "num_layers", "model_dim", "num_heads", "num_kv_heads", "mlp_mult",
@@ -172,6 +173,9 @@ class Hyperparameters:
     train_log_every: int = 500  # train_loss line every N steps (and the first 10)
     compressor: str = "auto"  # zstd | lzma | auto (the smaller) | fast (zstd level 3, for sweeps: 0.2 s, ~13% larger)
     int6_scale_floor: float = 1 / 31  # floor on int6 row scales: coarsens tiny rows, compresses better
+    matrix_clip_sigmas: float = 0.0  # bank row scale = k * std(row) / 31 (SD clip); 0 = the clip search
+    gptq_calibration_batches: int = 0  # GPTQ for the banks, X^T X from this many train micro-batches per rank; 0 = off
+    gptq_reserve_seconds: float = 0.0  # under the wallclock cap, training stops this much earlier for the calibration
     # --- legal test-time training (score first, then train; after the final scoring)
     ttt_enabled: bool = False  # run legal TTT on the read-back artifact and log legal_ttt
     ttt_lr: float = 0.006  # SGD lr, cosine-decayed over chunks (0.006 beat the reference's 0.002 on the PQB)
@@ -225,6 +229,8 @@ class Hyperparameters:
         need(all(0 <= i < self.num_layers for i in self.ve_layer_list), "VE_LAYERS outside 0..NUM_LAYERS-1")
         need(not self.ema_enabled or self.ema_horizon > 0 or self.ema_decay > 0, "EMA_HORIZON must be > 0 (or set EMA_DECAY)")
         need(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
+        need(self.max_wallclock_seconds == 0 or self.gptq_reserve_seconds < self.max_wallclock_seconds,
+             "GPTQ_RESERVE_SECONDS must be below MAX_WALLCLOCK_SECONDS")
         # scales are stored (and applied) as fp16: a smaller floor rounds to 0 and turns all-zero rows into 0/0
         need(self.int6_scale_floor >= 2.0 ** -14, "INT6_SCALE_FLOOR must be >= 2^-14 (6.1e-5), fp16's smallest normal")
 
@@ -1070,6 +1076,7 @@ class GPT(nn.Module):
         L, D, V = cfg.num_layers, cfg.model_dim, cfg.vocab_size
         kv_dim = cfg.num_kv_heads * cfg.head_dim
         self.cfg, self.attn_backend, self.ops, self.qat_enabled = cfg, attn_backend, ops, False
+        self.hessians: dict | None = None  # GPTQ calibration: {(matrix, layer): sum of X^T X of its input}
         self.tok_emb = nn.Embedding(V, D)
         shapes = matrix_shapes(cfg)
         for bank, names in BANKS.items():
@@ -1165,7 +1172,7 @@ class GPT(nn.Module):
             ln = 1.0 / math.sqrt(i + 1) if cfg.ln_scale else 1.0
             mix = blk.resid_mix.to(x.dtype)
             x = mix[0] * x + mix[1] * x0
-            h = rms_norm(x) * ln
+            h = self.observe(("attn.q", "attn.k", "attn.v"), i, rms_norm(x) * ln)
             # one GEMM for q|k|v (1.6-1.9 ms per record step less than three, in three same-call A/Bs)
             qkv = F.linear(h, torch.cat((w["attn.q"], w["attn.k"], w["attn.v"])))
             q = qkv[..., :H * hd].view(B, T, H, hd)
@@ -1179,13 +1186,23 @@ class GPT(nn.Module):
             y = attention(q, k, v, self.attn_backend)
             if i >= L - cfg.xsa_last_n:
                 y = self.ops.xsa(y, v)
-            x = x + blk.attn_scale.to(x.dtype) * F.linear(y.reshape(B, T, H * hd), w["attn.o"])
-            u = F.linear(rms_norm(x) * ln, w["mlp.up"])
+            y = self.observe(("attn.o",), i, y.reshape(B, T, H * hd))
+            x = x + blk.attn_scale.to(x.dtype) * F.linear(y, w["attn.o"])
+            u = F.linear(self.observe(("mlp.up",), i, rms_norm(x) * ln), w["mlp.up"])
             u = F.leaky_relu(u, cfg.mlp_negative_slope) if cfg.mlp_negative_slope > 0 else F.relu(u)
-            x = x + blk.mlp_scale.to(x.dtype) * F.linear(u.square(), w["mlp.down"])
+            x = x + blk.mlp_scale.to(x.dtype) * F.linear(self.observe(("mlp.down",), i, u.square()), w["mlp.down"])
             if i < self.num_encoder:
                 skips.append(x)
         return rms_norm(x)
+
+    def observe(self, names: tuple[str, ...], i: int, x_BTC: Tensor) -> Tensor:
+        """x, the input of layer i's matrices `names`; while calibrating, its X^T X (fp32) is added up."""
+        if self.hessians is not None:
+            x = x_BTC.detach().reshape(-1, x_BTC.size(-1)).float()
+            xtx = x.T @ x
+            for n in names:
+                self.hessians[n, i] = self.hessians.get((n, i), 0) + xtx
+        return x_BTC
 
     def raw_logits(self, ids_BT: Tensor) -> Tensor:
         w = self.tok_emb.weight if self.cfg.tie_embeddings else self.lm_head.weight
@@ -1817,18 +1834,82 @@ def quantize_rows(w: Tensor, qmax: int, quantiles: tuple[float, ...], floor: flo
     return best[1], best[2]
 
 
-def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters) -> dict[str, Tensor]:
+GPTQ_BLOCK, GPTQ_DAMP = 128, 0.01  # columns per lazy-update block; damping as a fraction of mean(diag H)
+
+
+def gptq_codes(w_RC: Tensor, h_CC: Tensor, scale_R: Tensor, qmax: int) -> Tensor:
+    """GPTQ (Frantar et al. 2022; the records' full-Hessian form): codes of w on the fixed per-row grid scale_R
+    that keep the layer's output on the calibration inputs (H = X^T X) close. Columns go in order of
+    decreasing H_jj; each is rounded, and its error, weighted by the Cholesky factor U of H^-1, is pushed onto
+    the columns not yet rounded (within a block at once, to later blocks lazily). Columns no input reaches
+    (H_jj = 0) are zero."""
+    w, h = w_RC.float().clone(), h_CC.float().clone()
+    dead = h.diagonal() == 0
+    h[dead, dead], w[:, dead] = 1.0, 0.0
+    h.diagonal().add_(GPTQ_DAMP * h.diagonal().mean())
+    order = torch.argsort(h.diagonal(), descending=True)
+    w, h = w[:, order], h[order][:, order]
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    q, s = torch.zeros_like(w), scale_R.float()
+    for b0 in range(0, w.size(1), GPTQ_BLOCK):
+        b1 = min(b0 + GPTQ_BLOCK, w.size(1))
+        err = torch.zeros_like(w[:, b0:b1])
+        for j in range(b0, b1):
+            q[:, j] = torch.clamp(torch.round(w[:, j] / s), -qmax, qmax)
+            err[:, j - b0] = (w[:, j] - q[:, j] * s) / u[j, j]
+            w[:, j:b1] -= err[:, j - b0, None] * u[j, j:b1]
+        w[:, b1:] -= err @ u[b0:b1, b1:]
+    return torch.empty_like(q).index_copy_(1, order, q).to(torch.int8)
+
+
+def quantize_matrix(w_RC: Tensor, cfg: Hyperparameters, h_CC: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A bank matrix as int6 codes and fp16 row scales: the scale from MATRIX_CLIP_SIGMAS (SD clip, the records'
+    rule) or else the clip search; the codes rounded to nearest, or GPTQ'd when calibration gave its H."""
+    if cfg.matrix_clip_sigmas > 0:
+        clip = cfg.matrix_clip_sigmas * w_RC.std(dim=1)
+        scale = grid_scale(clip, INT6_MAX, cfg.int6_scale_floor)
+        codes = grid_codes(w_RC, clip, scale, INT6_MAX).to(torch.int8)
+    else:
+        codes, scale = quantize_rows(w_RC, INT6_MAX, CLIP_QUANTILES, cfg.int6_scale_floor)
+    if h_CC is not None:
+        codes = gptq_codes(w_RC, h_CC, scale.float(), INT6_MAX)
+    return codes, scale.half()
+
+
+def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dict | None = None) -> dict[str, Tensor]:
+    """The artifact's tensors: bank matrices int6 (quantize_matrix; `hessians` from calibrate turn GPTQ on),
+    the big tables int8, the rest fp16. On the CPU: the same bytes from any device."""
     out = {}
-    bank_names = {f"blocks.{i}.{n}" for n in MATRICES for i in range(cfg.num_layers)}
+    banked = {f"blocks.{i}.{n}": (n, i) for n in MATRICES for i in range(cfg.num_layers)}
     for name, t in unbank(state, cfg.num_layers).items():
         t = t.detach().float().cpu()
-        if name in bank_names:
-            out[name + ".q6"], out[name + ".scale"] = quantize_rows(t, INT6_MAX, CLIP_QUANTILES, cfg.int6_scale_floor)
+        if name in banked:
+            h = hessians[banked[name]].cpu() if hessians is not None else None
+            out[name + ".q6"], out[name + ".scale"] = quantize_matrix(t, cfg, h)
         elif t.numel() > KEEP_FLOAT_MAX_NUMEL and t.ndim == 2:  # the big tables (EMBED_TABLES, an untied head)
             out[name + ".q8"], out[name + ".scale"] = quantize_rows(t, 127, (INT8_CLIP_QUANTILE,), 1 / 127)
         else:
             out[name + ".f16"] = t.half()
     return out
+
+
+@torch.no_grad()
+def calibrate(model: GPT, loader: TrainLoader, batches: int) -> dict[tuple[str, int], Tensor]:
+    """GPTQ's H = X^T X for every bank matrix, over `batches` train micro-batches per rank (the loader goes on
+    where training stopped: never validation data), summed over ranks."""
+    was_training, model.hessians = model.training, {}
+    model.eval()
+    seen = 0
+    while seen < batches:
+        for x, _ in loader.next_batch()[: batches - seen]:
+            with autocast(x.device):
+                model.hidden(x)
+            seen += 1
+    hessians, model.hessians = model.hessians, None
+    model.train(was_training)
+    for h in hessians.values():
+        all_reduce_sum_(h)
+    return hessians
 
 
 def dequantize_state(packed: dict[str, Tensor], template: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
@@ -1999,6 +2080,11 @@ class EMA:
             p.copy_(s.to(p.dtype))
 
 
+def train_cap_ms(cfg: Hyperparameters) -> float:
+    """The training loop's wallclock cap: MAX_WALLCLOCK_SECONDS less what GPTQ's calibration reserves (0 = none)."""
+    return 1000.0 * (cfg.max_wallclock_seconds - cfg.gptq_reserve_seconds) if cfg.max_wallclock_seconds > 0 else 0.0
+
+
 def lr_scale_at(cfg: Hyperparameters, step: int, elapsed_ms: float) -> float:
     """Linear warmdown over the last WARMDOWN_ITERS iterations, or (when capped) over the last
     WARMDOWN_ITERS average steps of wallclock, whichever budget ends first."""
@@ -2008,7 +2094,7 @@ def lr_scale_at(cfg: Hyperparameters, step: int, elapsed_ms: float) -> float:
     if cfg.max_wallclock_seconds <= 0:
         return by_step
     warmdown_ms = cfg.warmdown_iters * elapsed_ms / max(step, 1)
-    remaining_ms = max(1000.0 * cfg.max_wallclock_seconds - elapsed_ms, 0.0)
+    remaining_ms = max(train_cap_ms(cfg) - elapsed_ms, 0.0)
     return min(by_step, remaining_ms / max(warmdown_ms, 1e-9))
 
 
@@ -2108,12 +2194,14 @@ class Trainer:
     def train(self, scorer: Scorer, ema: EMA | None) -> tuple[int, float, int]:
         """The timed loop from self.clock; returns (steps, training ms, the signal that stopped it or 0)."""
         cfg, rt, log = self.cfg, self.rt, self.log
-        cap_ms = 1000.0 * cfg.max_wallclock_seconds
+        cap_ms = train_cap_ms(cfg)
         # one host sync per iteration where ranks must agree on a clock: the cap, checkpoints, or a signal
         clocked = cap_ms > 0 or cfg.checkpoint_every > 0 or rt.world_size > 1
         recent_ms: list[float] = []  # durations of whole iterations (logging included, val excluded)
         first_bad = torch.full((), -1, dtype=torch.int64, device=rt.device)  # first non-finite loss step
         step, train_ms, progress = self.clock["step"], self.clock["train_ms"], self.clock["progress"]
+        if self.clock.get("done"):
+            return step, train_ms, 0
         start, last_ckpt = (step, train_ms), train_ms
         t0, t_prev = now_ms(rt.device), None  # t_prev: start of the previous iteration (clocked)
         last_line = t0
@@ -2181,13 +2269,15 @@ class Trainer:
                 signal.signal(s, handler)
         train_ms += now_ms(rt.device) - t0
         self.check_finite(first_bad)
+        if cfg.checkpoint_every > 0:  # the trained state: RESUME=it exports and scores again, with no training
+            self.save_checkpoint(ema, dict(step=step, train_ms=train_ms, progress=progress, done=True))
         self.release_graphs()
         return step, train_ms, 0
 
     def eta_s(self, step: int, t_ms: float, start: tuple[int, float]) -> float:
         """Seconds left at this run's mean step time, or to the cap if that comes first."""
         left = (t_ms - start[1]) / max(step - start[0], 1) * (self.cfg.iterations - step)
-        cap_ms = 1000.0 * self.cfg.max_wallclock_seconds
+        cap_ms = train_cap_ms(self.cfg)
         return max(min(left, cap_ms - t_ms) if cap_ms > 0 else left, 0.0) / 1000
 
     def state(self, ema: EMA | None, clock: dict) -> dict:
@@ -2323,7 +2413,8 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
         log(f"train_data shards:{len(files)} tokens:{tokens} epochs_at_max_iterations:"
             f"{cfg.iterations * cfg.train_batch_tokens / max(tokens, 1):.2f} sampling:{cfg.train_sampling}")
         trainer = Trainer(cfg, rt, model, TrainLoader(files, cfg, rt), log)
-        trainer.warmup()
+        if ckpt is None or not ckpt["clock"].get("done"):  # a finished run's checkpoint trains no more
+            trainer.warmup()
         ema = EMA(model, cfg.ema_horizon, cfg.ema_decay) if cfg.ema_enabled else None
         if ckpt is not None:
             trainer.load(ckpt, ema)
@@ -2342,9 +2433,16 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
         if ema is not None:
             ema.copy_to_model()
             log_score(log, "post_ema", scorer(model, cfg.eval_seq_len))
+        hessians = None
+        if cfg.gptq_calibration_batches > 0:
+            t0 = now_ms(rt.device)
+            hessians = calibrate(model, trainer.loader, cfg.gptq_calibration_batches)
+            log(f"gptq_calibration batches:{cfg.gptq_calibration_batches} time:{now_ms(rt.device) - t0:.0f}ms "
+                f"reserved:{1000 * cfg.gptq_reserve_seconds:.0f}ms")
         if rt.is_main:
             t0 = time.perf_counter()
-            blob, method = compress(pack_tensors(quantize_state(model.state_dict(), cfg), cfg), cfg.compressor)
+            blob, method = compress(pack_tensors(quantize_state(model.state_dict(), cfg, hessians), cfg),
+                                    cfg.compressor)
             write_atomic(artifact, blob)
             log(f"Serialized model int6+{method}: {len(blob)} bytes export_time:{1000 * (time.perf_counter() - t0):.0f}ms")
         if _distributed():

@@ -419,3 +419,98 @@ def test_a_failed_write_leaves_the_previous_file_whole(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         tg.write_atomic(path, b"new artifact")
     assert path.read_bytes() == b"old artifact" and [p.name for p in tmp_path.iterdir()] == ["model.ptz"]
+
+
+# =============================================================================================
+# GPTQ
+# =============================================================================================
+
+def gptq_reference(w: np.ndarray, x: np.ndarray, scale: np.ndarray, qmax: int, damp: float) -> np.ndarray:
+    """GPTQ's greedy rule by brute force, in float64, with no Cholesky factor or lazy block: columns in order of
+    decreasing H_jj (H = X^T X + damp mean(diag) I); each is rounded on the row's grid, then every column not yet
+    rounded is re-fitted from the original weights by least squares, min ||X_aug (w - w')||^2 with the rounded
+    columns fixed (X_aug = X over sqrt(lambda) I, so X_aug^T X_aug = H)."""
+    c = w.shape[1]
+    h = x.T @ x
+    lam = damp * np.mean(np.diag(h))
+    x_aug = np.vstack([x, np.sqrt(lam) * np.eye(c)])
+    order = np.argsort(-np.diag(h), kind="stable")
+    codes = np.zeros_like(w)
+    for r in range(w.shape[0]):
+        cur, fixed = w[r].copy(), []
+        for j in order:
+            codes[r, j] = np.clip(np.round(cur[j] / scale[r]), -qmax, qmax)
+            fixed.append(j)
+            free = [k for k in range(c) if k not in fixed]
+            if free:
+                d_fixed = w[r, fixed] - codes[r, fixed] * scale[r]
+                d_free = np.linalg.lstsq(x_aug[:, free], -x_aug[:, fixed] @ d_fixed, rcond=None)[0]
+                cur[free] = w[r, free] - d_free
+    return codes
+
+
+def test_gptq_matches_a_brute_force_least_squares_reference(monkeypatch):
+    monkeypatch.setattr(tg, "GPTQ_BLOCK", 8)  # 3 lazy blocks, the last one partial
+    rng = np.random.default_rng(0)
+    r, c, n = 5, 21, 64
+    mix = rng.normal(size=(c, c)) * 0.3 + np.eye(c)  # correlated inputs: the updates matter
+    x = rng.normal(size=(n, c)) @ mix * rng.uniform(0.2, 3.0, size=c)
+    w = rng.normal(size=(r, c)) * 0.05
+    scale = (np.abs(w).max(1) / 7).astype(np.float16).astype(np.float64)
+    want = gptq_reference(w, x, scale, 7, tg.GPTQ_DAMP)
+    got = tg.gptq_codes(torch.tensor(w), torch.tensor(x.T @ x), torch.tensor(scale), 7)
+    assert got.dtype == torch.int8
+    np.testing.assert_array_equal(got.numpy(), want)
+    rtn = np.clip(np.round(w / scale[:, None]), -7, 7)
+    assert (rtn != want).any()  # GPTQ chose other codes than rounding, and they fit the layer's output better:
+    out_err = lambda q: np.linalg.norm(x @ (w - q * scale[:, None]).T)
+    assert out_err(want) < 0.9 * out_err(rtn)
+
+
+def test_gptq_zeroes_columns_no_input_reaches():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(32, 6))
+    x[:, 2] = 0.0
+    w = rng.normal(size=(3, 6))
+    codes = tg.gptq_codes(torch.tensor(w), torch.tensor(x.T @ x), torch.full((3,), 0.1, dtype=torch.float64), 31)
+    assert (codes[:, 2] == 0).all() and (codes[:, [0, 1, 3, 4, 5]] != 0).any()
+
+
+def test_calibrate_sums_each_matrix_input_over_batches_and_gptq_lowers_the_layer_error(dataset, tokenizer_path):
+    """calibrate's H for layer 0's q/k/v is X^T X of that layer's normed input, computed here without the hook;
+    each matrix kind has one H per layer; GPTQ lowers the layers' output error below rounding's."""
+    cfg = env_cfg(dataset, tokenizer_path, TRAIN_BATCH_TOKENS=256, GRAD_ACCUM_STEPS=2)
+    model = random_model(cfg, seed=5)
+    loader = tg.TrainLoader(tg.shard_files(str(dataset), "train"), cfg, tg.Runtime(grad_accum=2))
+    pairs = tg.TrainLoader(tg.shard_files(str(dataset), "train"), cfg, tg.Runtime(grad_accum=2)).next_batch()
+    h = tg.calibrate(model, loader, 2)
+    assert set(h) == {(n, i) for n in tg.MATRICES for i in range(cfg.num_layers)} and model.hessians is None
+    want = 0.0
+    with torch.no_grad():
+        for ids, _ in pairs:
+            x0 = model.embed(ids)
+            mix = model.blocks[0].resid_mix
+            inp = tg.rms_norm(mix[0] * x0 + mix[1] * x0).reshape(-1, cfg.model_dim)
+            want = want + inp.T @ inp
+    for n in ("attn.q", "attn.k", "attn.v"):
+        torch.testing.assert_close(h[n, 0], want, rtol=1e-5, atol=1e-4)
+    assert h["mlp.down", 1].shape == (3 * cfg.model_dim,) * 2
+    # the layer-output error GPTQ minimises, sum over matrices of tr((W - W_q) H (W - W_q)^T): below rounding's
+    state, errors = tg.unbank(model.state_dict(), cfg.num_layers), {}
+    for name, hess in (("rtn", None), ("gptq", h)):
+        packed = tg.quantize_state(model.state_dict(), cfg, hess)
+        errors[name] = 0.0
+        for (n, i), hm in h.items():
+            key = f"blocks.{i}.{n}"
+            d = state[key].detach() - packed[key + ".q6"].float() * packed[key + ".scale"].float()[:, None]
+            errors[name] += float(torch.einsum("rc,cd,rd->", d, hm, d))
+    assert errors["gptq"] < 0.8 * errors["rtn"], errors
+
+
+def test_sd_clip_sets_each_row_scale_from_its_std():
+    cfg = tiny_cfg(matrix_clip_sigmas=12.85)
+    w = torch.randn(8, 32) * torch.linspace(0.01, 0.1, 8)[:, None]
+    codes, scale = tg.quantize_matrix(w, cfg, None)
+    want = np.maximum(12.85 * w.std(dim=1).numpy() / 31, cfg.int6_scale_floor).astype(np.float16)
+    np.testing.assert_array_equal(scale.numpy(), want)
+    np.testing.assert_array_equal(codes.numpy(), np.clip(np.round(w.numpy() / want.astype(np.float32)[:, None]), -31, 31))

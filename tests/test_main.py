@@ -264,3 +264,29 @@ def test_a_reused_run_id_gets_its_own_log_and_sample_data_is_flagged(dataset, to
         assert (tmp_path / "logs" / f"{run_id}.int6.ptz").is_file()
         assert "sample_data: the offline sample" in log
         assert log.strip().splitlines()[-1].endswith(" sample_data:not_comparable_to_FineWeb")
+
+
+def test_a_finished_runs_checkpoint_exports_again_without_training(dataset, tokenizer_path, tmp_path):
+    """CHECKPOINT_EVERY > 0 leaves the trained state at the end. RESUME=it with other export settings (GPTQ, SD
+    clip) trains no step, scores the same post-EMA weights and writes a new artifact: quantisers compared on the
+    same weights with no retraining. EVAL_ONLY reproduces the new artifact's scores."""
+    env = tiny_env(dataset, tokenizer_path, ITERATIONS="6", RUN_ID="q", CHECKPOINT_EVERY="1000")
+    r = run_script(env, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = (tmp_path / "logs" / "q.txt").read_text()
+    assert re.search(r"^checkpoint step:6 path:logs/q.ckpt bytes:\d+ time:\d+ms$", first, re.M)
+    gptq = dict(GPTQ_CALIBRATION_BATCHES="2", MATRIX_CLIP_SIGMAS="12.85")
+    r = run_script(dict(env, RESUME="logs/q.ckpt", **gptq), tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    again = (tmp_path / "logs" / "q_2.txt").read_text()
+    assert not LOSS_LINE.search(again) and "\nwarmup_step:" not in again
+    assert "warning GPTQ_CALIBRATION_BATCHES=2 but checkpoint logs/q.ckpt was made with GPTQ_CALIBRATION_BATCHES=0; " \
+           "the environment's value is used" in again
+    assert re.search(r"^gptq_calibration batches:2 time:\d+ms reserved:0ms$", again, re.M)
+    assert one_line(again, "post_ema_exact ") == one_line(first, "post_ema_exact ")
+    assert one_line(again, "final_int6_roundtrip_exact ") != one_line(first, "final_int6_roundtrip_exact ")
+    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY="logs/q_2.int6.ptz", RUN_ID="q_eval"), tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    evaluated = (tmp_path / "logs" / "q_eval.txt").read_text()
+    key = "final_int6_sliding_window_exact "
+    assert one_line(evaluated, key) == one_line(again, key)

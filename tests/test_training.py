@@ -313,3 +313,15 @@ def test_progress_lines_without_a_loss_come_when_no_step_line_came_for_a_while(d
     _, _, lines, _, _ = _run_with_fake_clock(dataset, tokenizer_path, monkeypatch, 1000.0, 0.0, ITERATIONS=10,
                                              TRAIN_LOG_EVERY=0, MAX_WALLCLOCK_SECONDS=cap)
     assert [ln for ln in lines if ln.startswith("step:")] == want
+
+
+def test_gptq_reserve_comes_off_the_training_cap(dataset, tokenizer_path, monkeypatch):
+    """GPTQ_RESERVE_SECONDS: calibration happens inside the wallclock budget, so training stops that much earlier
+    and its warmdown ends there. 100 ms steps, a 1 s cap less 0.3 s: 7 steps, the lr reaching 0.2 at the last."""
+    steps, train_ms, lines, record, _ = _run_with_fake_clock(
+        dataset, tokenizer_path, monkeypatch, 100.0, 0.0, MAX_WALLCLOCK_SECONDS=1.0, GPTQ_RESERVE_SECONDS=0.3,
+        ITERATIONS=100000, WARMDOWN_ITERS=5, LATE_QAT_THRESHOLD=0)
+    assert (steps, train_ms) == (7, 700.0)
+    assert [r[1] for r in record] == pytest.approx([1, 1, 1, 0.8, 0.6, 0.4, 0.2], abs=1e-9)
+    with pytest.raises(ValueError, match="GPTQ_RESERVE_SECONDS must be below MAX_WALLCLOCK_SECONDS"):
+        make_cfg(MAX_WALLCLOCK_SECONDS=10, GPTQ_RESERVE_SECONDS=10)
