@@ -467,6 +467,19 @@ def test_gptq_matches_a_brute_force_least_squares_reference(monkeypatch):
     assert out_err(want) < 0.9 * out_err(rtn)
 
 
+def test_calibration_sums_x_transpose_x_in_fp32_under_autocast():
+    """On CUDA the forward runs under bf16 autocast, which also casts a matmul of fp32 inputs to bf16: H summed
+    that way was indefinite (GPTQ's Cholesky failed on an H200). observe keeps X^T X in fp32."""
+    model = tg.build_model(tiny_cfg(), tg.Runtime())
+    x = torch.randn(4, 64, 32).bfloat16()
+    model.hessians = {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.observe(("attn.o",), 0, x)
+    h, want = model.hessians["attn.o", 0], x.double().reshape(-1, 32).T @ x.double().reshape(-1, 32)
+    assert h.dtype == torch.float32
+    torch.testing.assert_close(h.double(), want, rtol=1e-5, atol=1e-4)
+
+
 def test_gptq_zeroes_columns_no_input_reaches():
     rng = np.random.default_rng(1)
     x = rng.normal(size=(32, 6))
@@ -490,10 +503,11 @@ def test_calibrate_sums_each_matrix_input_over_batches_and_gptq_lowers_the_layer
         for ids, _ in pairs:
             x0 = model.embed(ids)
             mix = model.blocks[0].resid_mix
-            inp = tg.rms_norm(mix[0] * x0 + mix[1] * x0).reshape(-1, cfg.model_dim)
+            inp = tg.rms_norm(mix[0] * x0 + mix[1] * x0).reshape(-1, cfg.model_dim).double()
             want = want + inp.T @ inp
     for n in ("attn.q", "attn.k", "attn.v"):
-        torch.testing.assert_close(h[n, 0], want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(h[n, 0].double(), want, rtol=1e-5, atol=1e-4)
+        assert torch.linalg.eigvalsh(h[n, 0].double()).min() > -1e-6 * want.diagonal().mean()  # PSD, as X^T X
     assert h["mlp.down", 1].shape == (3 * cfg.model_dim,) * 2
     # the layer-output error GPTQ minimises, sum over matrices of tr((W - W_q) H (W - W_q)^T): below rounding's
     state, errors = tg.unbank(model.state_dict(), cfg.num_layers), {}
@@ -514,3 +528,16 @@ def test_sd_clip_sets_each_row_scale_from_its_std():
     want = np.maximum(12.85 * w.std(dim=1).numpy() / 31, cfg.int6_scale_floor).astype(np.float16)
     np.testing.assert_array_equal(scale.numpy(), want)
     np.testing.assert_array_equal(codes.numpy(), np.clip(np.round(w.numpy() / want.astype(np.float32)[:, None]), -31, 31))
+
+
+def test_gptq_damps_more_only_when_h_is_singular(monkeypatch):
+    """An H that is indefinite beyond the 1% damping (as the bf16-summed one was) gets 10x, then 100x the damping
+    instead of failing the export after a finished training run; the codes stay on the grid."""
+    w = torch.randn(4, 8, dtype=torch.float64)
+    h = torch.eye(8, dtype=torch.float64)
+    h[0, 0] = -0.05  # mean diag 0.86875: 1% damping leaves it negative, 10% does not
+    codes = tg.gptq_codes(w, h, torch.full((4,), 0.05, dtype=torch.float64), 31)
+    assert codes.dtype == torch.int8 and codes.abs().max() <= 31
+    h[0, 0] = -10.0  # beyond 100%: an error, not silent garbage
+    with pytest.raises(torch.linalg.LinAlgError):
+        tg.gptq_codes(w, h, torch.full((4,), 0.05, dtype=torch.float64), 31)
