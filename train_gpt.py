@@ -2047,6 +2047,18 @@ def write_atomic(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def shipped_code(source: str) -> bytes:
+    """The train_gpt.py a record ships, and what code_bytes counts: a stub that runs this source from xz + base85
+    (137 KB -> 49 KB on 2026-11-23), registered in linecache so that @triton.jit (inspect.getsource) still reads
+    it. Deterministic. Self-contained: records/package_record.py takes this function from a log's source."""
+    import base64
+    import lzma
+    packed = base64.b85encode(lzma.compress(source.encode("utf-8"), preset=9 | lzma.PRESET_EXTREME)).decode()
+    return (f'import base64,linecache,lzma\ns=lzma.decompress(base64.b85decode("{packed}")).decode()\n'
+            'f=__file__+"#source"\nlinecache.cache[f]=(len(s),None,s.splitlines(True),f)\nREADABLE_SOURCE=s\n'
+            'exec(compile(s,f,"exec"))\n').encode("utf-8")
+
+
 # =============================================================================================
 # Training: EMA, schedule, the step (CUDA graphs), the timed loop
 # =============================================================================================
@@ -2369,7 +2381,8 @@ SIZE_LIMIT_BYTES = 16_000_000
 
 
 def main() -> int:
-    code = Path(__file__).read_text(encoding="utf-8")
+    # the readable source: this file, or what the shipped stub (shipped_code) unpacked before running it
+    code = globals().get("READABLE_SOURCE") or Path(__file__).read_text(encoding="utf-8")
     cfg, warnings = Hyperparameters.from_env()
     explicit = {f.name for f in fields(cfg) if f.name.upper() in os.environ}
     ckpt = read_checkpoint(cfg.resume) if cfg.resume else None
@@ -2461,7 +2474,7 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
         stored = read_artifact(artifact)  # the file, not the model in memory, is what is scored
     blob = artifact.read_bytes()
     method = {v: k for k, v in COMPRESSOR_CODES.items()}[blob[4]]
-    code_bytes = len(code.encode("utf-8"))
+    code_bytes = len(shipped_code(code))
     total = len(blob) + code_bytes
     log(f"code_bytes:{code_bytes}")
     log(f"Total submission size int6+{method}: {total} bytes limit:{SIZE_LIMIT_BYTES} headroom:{SIZE_LIMIT_BYTES - total}")

@@ -8,7 +8,9 @@ Usage (from the repository root):
 
 Reads logs/<RUN_ID>.txt files written by train_gpt.py (the source between `==== source: train_gpt.py ====`
 and `==== end source ====`, then `event key:value ...` lines) and writes <root>/<track>/<date>_<name>/ with
-train_gpt.py (the embedded source), train_seed<seed>.log copies, README.md and submission.json.
+train_gpt.py (the shipped stub: the embedded source compressed by the source's own `shipped_code`, whose size
+the run logged as code_bytes), train_gpt_readable.py (the embedded source), train_seed<seed>.log copies,
+README.md and submission.json.
 A run's score is its `legal_ttt_exact` line if present, else its `final_int6_sliding_window_exact` line.
 
 Refused (exit 1, each problem named with its log): a log holding more than one run, a run on the offline
@@ -22,6 +24,7 @@ theirs (the challenge's record rule: p < 0.01); the Student-t tail is computed h
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import re
@@ -134,6 +137,7 @@ class Refusal(Exception):
 class RunLog:
     path: Path
     source: bytes | None = None  # embedded train_gpt.py, None when the log carries no source block
+    shipped: bytes | None = None  # the stub a record ships, built by the source's own shipped_code
     settings: dict[str, str] = field(default_factory=dict)
     events: dict[str, dict[str, str]] = field(default_factory=dict)  # last line of each event, key:value
     total_bytes: int | None = None
@@ -224,10 +228,24 @@ def parse_log(path: Path) -> RunLog:
         elif event in ("train_done", "post_ema_exact", "final_int6_roundtrip", "final_int6_roundtrip_exact",
                        "final_int6_sliding_window", "legal_ttt", *SCORE_EVENTS):
             run.events[event] = _key_values(line)
-    # train_gpt.py may write the source with or without a newline of its own after it; code_bytes decides.
-    if run.source is not None and run.code_bytes is not None and len(run.source) == run.code_bytes + 1:
-        run.source = run.source[:-1]
+    if run.source is not None:  # a newline of the log's own may follow the source: the logged code_bytes decides
+        for source in (run.source[:-1], run.source):
+            run.source, run.shipped = source, shipped_code(source)
+            if run.shipped is None or len(run.shipped) == run.code_bytes:
+                break
     return run
+
+
+def shipped_code(source: bytes) -> bytes | None:
+    """The shipped train_gpt.py, made by the shipped_code function of the source itself (taken out with ast and
+    run alone, so this tool never imports the script); None if the source has no such function."""
+    try:
+        fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "shipped_code")
+    except (StopIteration, SyntaxError, ValueError):
+        return None
+    namespace: dict = {}
+    exec(compile(ast.Module([fn], type_ignores=[]), "<shipped_code>", "exec"), namespace)
+    return namespace["shipped_code"](source.decode("utf-8"))
 
 
 def problems_of(run: RunLog) -> list[str]:
@@ -241,8 +259,11 @@ def problems_of(run: RunLog) -> list[str]:
         out.append(f"no embedded source (`{SOURCE_START}` line missing)")
     elif run.code_bytes is None:
         out.append("no `code_bytes:N` line")
-    elif len(run.source) != run.code_bytes:
-        out.append(f"embedded source is {len(run.source)} bytes but code_bytes says {run.code_bytes}")
+    elif run.shipped is None:
+        out.append("the embedded source has no shipped_code function (the size of the code a record ships)")
+    elif len(run.shipped) != run.code_bytes:
+        out.append(f"the shipped train_gpt.py rebuilt from the embedded source is {len(run.shipped)} bytes but "
+                   f"code_bytes says {run.code_bytes}")
     if "seed" not in run.settings:
         out.append("no `setting seed:N` line")
     if run.total_bytes is None:
@@ -359,7 +380,9 @@ def render_readme(sub: dict, runs: list[RunLog], track: str) -> str:
                        f"t = {sig['t']:.3f}, df = {sig['df']:.2f}, p = {sig['p_value']:.3g} -> "
                        f"{verdict} at p < {sig['threshold']}.")
         out.append("")
-    out += ["## Files", "", "- `train_gpt.py`: the script, extracted from the logs (identical in all of them)",
+    out += ["## Files", "", "- `train_gpt.py`: the script as shipped and counted (code_bytes): a stub that "
+            "decompresses `train_gpt_readable.py` and runs it; `python3 train_gpt.py` or `torchrun ... train_gpt.py`",
+            "- `train_gpt_readable.py`: the script's source, extracted from the logs (identical in all of them)",
             *[f"- `{s['log']}`: full log of seed {s['seed']}" for s in sub["per_seed"]],
             "- `submission.json`: the numbers above", "",
             "## Settings (seed " + str(runs[0].seed) + ")", "", "```",
@@ -381,7 +404,8 @@ def package(logs: list[Path], meta: dict, root: Path, track: str, prev: list[flo
         shutil.rmtree(folder)
     sub = build_submission(runs, meta, prev)
     folder.mkdir(parents=True)
-    (folder / "train_gpt.py").write_bytes(runs[0].source)
+    (folder / "train_gpt.py").write_bytes(runs[0].shipped)
+    (folder / "train_gpt_readable.py").write_bytes(runs[0].source)
     for run in runs:
         shutil.copyfile(run.path, folder / f"train_seed{run.seed}.log")
     (folder / "README.md").write_text(render_readme(sub, runs, track), encoding="utf-8")

@@ -114,18 +114,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _script_command(env: dict[str, str], nproc: int) -> tuple[list[str], dict[str, str]]:
+def _script_command(env: dict[str, str], nproc: int, script: Path = SCRIPT) -> tuple[list[str], dict[str, str]]:
     full = {k: v for k, v in os.environ.items()
             if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "DEBUG"))}
     full.update(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if nproc == 1:
-        return [sys.executable, str(SCRIPT)], full
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT)], full
+        return [sys.executable, str(script)], full
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)], full
 
 
-def run_script(env: dict[str, str], cwd: Path, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run train_gpt.py as a user would (torchrun for nproc > 1) in `cwd`; logs land in cwd/logs."""
-    cmd, full = _script_command(env, nproc)
+def run_script(env: dict[str, str], cwd: Path, nproc: int = 1, timeout: int = 300,
+               script: Path = SCRIPT) -> subprocess.CompletedProcess:
+    """Run train_gpt.py (or another copy) as a user would (torchrun for nproc > 1) in `cwd`; logs in cwd/logs."""
+    cmd, full = _script_command(env, nproc, script)
     cwd.mkdir(parents=True, exist_ok=True)
     return subprocess.run(cmd, env=full, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 

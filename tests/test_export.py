@@ -356,7 +356,7 @@ def test_over_limit_artifact_scores_then_fails(tmp_path, dataset, tokenizer_path
     packed["bigram.embed.weight.scale"] = torch.full((buckets,), 1e-3, dtype=torch.float16)
     big = tmp_path / "big.ptz"
     big.write_bytes(tg.compress(tg.pack_tensors(packed, cfg), "zstd")[0])
-    code_bytes = len(SCRIPT.read_bytes())
+    code_bytes = len(tg.shipped_code(SCRIPT.read_text(encoding="utf-8")))  # the code as a record ships it
     total = big.stat().st_size + code_bytes
     assert total > 16_000_000 == tg.SIZE_LIMIT_BYTES
     r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(big), BIGRAM_VOCAB_SIZE=str(buckets),
@@ -403,7 +403,7 @@ def test_eval_only_reproduces_training_run_scores(tmp_path, dataset, tokenizer_p
         a, b = pick(eval_lines, key), pick(train_lines, key)
         assert re.search(r"scored_tokens:\d+ scored_bytes:\d+", a).group() == \
             re.search(r"scored_tokens:\d+ scored_bytes:\d+", b).group()
-    total = artifact.stat().st_size + len(SCRIPT.read_bytes())
+    total = artifact.stat().st_size + len(tg.shipped_code(SCRIPT.read_text(encoding="utf-8")))
     line = pick(eval_lines, "Total")
     assert line.startswith("Total submission size") and f" {total} bytes " in line
     assert pick(train_lines, "Total") == pick(eval_lines, "Total")
@@ -541,3 +541,38 @@ def test_gptq_damps_more_only_when_h_is_singular(monkeypatch):
     h[0, 0] = -10.0  # beyond 100%: an error, not silent garbage
     with pytest.raises(torch.linalg.LinAlgError):
         tg.gptq_codes(w, h, torch.full((4,), 0.05, dtype=torch.float64), 31)
+
+
+# =============================================================================================
+# The code a record ships
+# =============================================================================================
+
+def test_the_shipped_stub_runs_alone_and_counts_its_own_size(dataset, tokenizer_path, tmp_path):
+    """A record ships train_gpt.py as shipped_code's stub (xz + base85 of the source, run from linecache so that
+    @triton.jit can read its kernels' source). Alone in an empty folder on the tiny config it trains and scores;
+    its log embeds the readable source and counts code_bytes as the stub's own size, as the readable script
+    counts it too."""
+    source = SCRIPT.read_text(encoding="utf-8")
+    stub = tmp_path / "train_gpt.py"
+    stub.write_bytes(tg.shipped_code(source))
+    assert stub.read_bytes() == tg.shipped_code(source)  # deterministic
+    assert stub.stat().st_size < 0.4 * len(source.encode("utf-8"))
+    run = tmp_path / "empty"
+    r = run_script(tiny_env(dataset, tokenizer_path, ITERATIONS="2", RUN_ID="stub"), run, script=stub)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = (run / "logs" / "stub.txt").read_text(encoding="utf-8")
+    assert log.split("==== source: train_gpt.py ====\n", 1)[1].split("\n==== end source ====", 1)[0] == source
+    assert f"\ncode_bytes:{stub.stat().st_size}\n" in log
+    assert re.search(r"^final_int6_sliding_window_exact val_loss:\d+\.\d{8} ", log, re.M)
+    if tg.triton is not None:  # the kernels were defined from the unpacked source: Triton read it back
+        probe = run_script({"PYTHONPATH": ""}, run, script=_probe(tmp_path, stub))
+        assert probe.returncode == 0 and probe.stdout.strip() == "kernel source found", probe.stderr[-2000:]
+
+
+def _probe(tmp_path: Path, stub: Path) -> Path:
+    """A script that loads the stub as a module (not as __main__) and prints whether Triton kept a kernel's source."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"import inspect, runpy\nns = runpy.run_path({str(stub)!r}, run_name='stub')\n"
+                     "src = inspect.getsource(ns['_xsa_fwd'].fn)  # what @triton.jit reads\n"
+                     "print('kernel source found' if src.lstrip().startswith('@triton.jit') else 'missing')\n")
+    return probe

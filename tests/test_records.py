@@ -107,6 +107,10 @@ Total submission size int6+lzma: 99999999 bytes
 import os
 
 
+def shipped_code(source: str) -> bytes:
+    return b"# shipped\\n" + source.encode("utf-8")[::-1]  # any deterministic rule: the packager runs this one
+
+
 def main():
     print(f"train_done steps:{1} train_time:{2}ms")  # caf\u00e9 \u2581 non-ASCII bytes
 
@@ -116,10 +120,15 @@ if __name__ == "__main__":
 '''
 
 
+def shipped(code: str) -> bytes:
+    """What CODE's shipped_code makes (written out here, independently of the packager)."""
+    return b"# shipped\n" + code.encode("utf-8")[::-1]
+
+
 def make_log(folder: Path, seed: int, code: str = CODE, total_bytes: int | None = None, train_ms: int = 599_870,
              final: bool = True, ttt: bool = False, source_extra_newline: bool = True) -> tuple[Path, dict]:
     """Write a log with train_gpt.py's layout; return its path and the values written into it."""
-    code_bytes = len(code.encode("utf-8"))
+    code_bytes = len(shipped(code))
     model_bytes = 15_800_000 + seed % 1000
     total = model_bytes + code_bytes if total_bytes is None else total_bytes
     val_loss, val_bpb = 1.90 + (seed % 97) * 1e-4 + 0.123456789e-4, 1.12 + (seed % 89) * 1e-4 + 0.987654321e-4
@@ -172,8 +181,10 @@ def test_package_three_seeds(tmp_path, extra_newline):
     assert run_cli(tmp_path, [p for p, _ in made]) == 0
     folder = record_dir(tmp_path)
     assert sorted(f.name for f in folder.iterdir()) == [
-        "README.md", "submission.json", "train_gpt.py", "train_seed1337.log", "train_seed2025.log", "train_seed42.log"]
-    assert (folder / "train_gpt.py").read_bytes() == CODE.encode("utf-8")
+        "README.md", "submission.json", "train_gpt.py", "train_gpt_readable.py", "train_seed1337.log",
+        "train_seed2025.log", "train_seed42.log"]
+    assert (folder / "train_gpt_readable.py").read_bytes() == CODE.encode("utf-8")
+    assert (folder / "train_gpt.py").read_bytes() == shipped(CODE)  # the log source's own shipped_code
     for path, info in made:
         assert (folder / f"train_seed{info['seed']}.log").read_bytes() == path.read_bytes()
 
@@ -189,7 +200,7 @@ def test_package_three_seeds(tmp_path, extra_newline):
     assert sub["val_bpb"] == pytest.approx(sum(i["val_bpb"] for i in infos) / 3, abs=1e-8)
     assert sub["val_bpb_std"] == pytest.approx(pr.sample_std([i["val_bpb"] for i in infos]), abs=1e-8)
     assert sub["bytes_total"] == max(i["bytes_total"] for i in infos)
-    assert sub["bytes_code"] == len(CODE.encode("utf-8"))
+    assert sub["bytes_code"] == len(shipped(CODE))
     assert sub["score_line"] == "final_int6_sliding_window_exact"
     assert "significance" not in sub
 
@@ -287,7 +298,7 @@ def test_refuses_existing_folder_unless_force(tmp_path, capsys):
 def test_refuses_unfinished_ttt_and_mismatched_code_bytes(tmp_path, capsys):
     log, _ = make_log(tmp_path, 5)
     text = log.read_text().replace("setting ttt_enabled:0", "setting ttt_enabled:1")
-    log.write_text(text.replace(f"code_bytes:{len(CODE.encode())}", "code_bytes:12"))
+    log.write_text(text.replace(f"code_bytes:{len(shipped(CODE))}", "code_bytes:12"))
     assert run_cli(tmp_path, [log]) == 1
     err = capsys.readouterr().err
     assert "no legal_ttt_exact line" in err and "code_bytes says 12" in err
@@ -312,4 +323,9 @@ def test_packages_a_real_tiny_cpu_run(tmp_path, dataset, tokenizer_path):
         total = next(x for x in log.read_text().splitlines() if x.startswith("Total submission size"))
         assert int(total.split(": ")[1].split()[0]) <= sub["bytes_total"]
     assert sub["val_bpb"] == pytest.approx(sum(finals) / 2, abs=1e-8)
-    assert (out / "train_gpt.py").read_bytes() == (Path(__file__).resolve().parents[1] / "train_gpt.py").read_bytes()
+    script = Path(__file__).resolve().parents[1] / "train_gpt.py"
+    assert (out / "train_gpt_readable.py").read_bytes() == script.read_bytes()
+    import train_gpt as tg
+    shipped = (out / "train_gpt.py").read_bytes()
+    assert shipped == tg.shipped_code(script.read_text(encoding="utf-8")) and len(shipped) == sub["bytes_code"]
+    assert len(shipped) < 0.4 * len(script.read_bytes())  # xz + base85 of the source
