@@ -68,7 +68,7 @@ FOREIGN_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP_", "MASTER_", "LOCA
                     "TRITON", "PYTHON", "HF_", "MKL", "KMP_", "GLOO", "NVIDIA", "CUBLAS", "CUDNN")
 GENERIC_WORDS = {"MAX", "NUM", "RUN", "DATA", "MODEL", "HEAD", "DEVICE", "LOCAL", "WORLD", "RANK"}
 CHOICES = {
-    "compressor": ("auto", "zstd", "lzma", "fast"),
+    "compressor": ("auto", "zstd", "lzma", "fast", "rans"),
     "compile_enabled": ("auto", "0", "1"),
     "attn_backend": ("auto", "fa3", "flash", "cudnn", "math"),
     "muon_reduce_dtype": ("auto", "bf16", "fp32"),
@@ -171,7 +171,7 @@ class Hyperparameters:
     val_loss_every: int = 4000  # plain val scoring every N steps (0 = only at the end)
     val_batch_size: int = 524288  # scoring tokens per forward over all ranks x grad-accum slots
     train_log_every: int = 500  # train_loss line every N steps (and the first 10)
-    compressor: str = "auto"  # zstd | lzma | auto (the smaller) | fast (zstd level 3, for sweeps: 0.2 s, ~13% larger)
+    compressor: str = "auto"  # zstd | lzma | auto (the smaller) | fast (zstd level 3, for sweeps: 0.2 s, ~13% larger) | rans (codes entropy-coded)
     int6_scale_floor: float = 1 / 31  # floor on int6 row scales: coarsens tiny rows, compresses better
     matrix_clip_sigmas: float = 0.0  # bank row scale = k * std(row) / 31 (SD clip); 0 = the clip search
     gptq_calibration_batches: int = 0  # GPTQ for the banks, X^T X from this many train micro-batches per rank; 0 = off
@@ -1788,7 +1788,7 @@ CLIP_QUANTILES = (0.999, 0.9995, 0.9999, 0.99999, 1.0)  # per-row clip candidate
 INT8_CLIP_QUANTILE = 0.9999984  # the reference's per-row clip for int8 tables
 KEEP_FLOAT_MAX_NUMEL = 65536  # tensors up to this size stay float (fp16)
 ARTIFACT_MAGIC, PAYLOAD_MAGIC = b"PGA1", b"PGT2"  # PGT1: before the settings were stored
-COMPRESSOR_CODES = {"zstd": 0, "lzma": 1}
+COMPRESSOR_CODES = {"zstd": 0, "lzma": 1, "rans": 2}
 # xz preset 6|extreme came out 34-38 KB smaller than 9|extreme (and ~10% faster) on both PQB artifacts
 # (15,408,208 vs 15,442,060 and 15,461,288 vs 15,499,120 bytes); zstd-22 was ~1 MB larger than either.
 LZMA_PRESET = 6 | lzma.PRESET_EXTREME
@@ -1988,9 +1988,113 @@ def _zstd():
         return None
 
 
+RANS_LANES, RANS_BITS, RANS_LOW = 2048, 14, 1 << 16  # interleaved streams; tables sum to 2^14; states in [2^16, 2^32)
+
+
+def rans_tables(sym: np.ndarray, tid: np.ndarray, n_tables: int, n_sym: int) -> np.ndarray:
+    """Order-0 frequencies of each table's symbols, scaled to sum to 2^RANS_BITS (a seen symbol keeps >= 1)."""
+    counts = np.bincount(tid * n_sym + sym, minlength=n_tables * n_sym).reshape(n_tables, n_sym)
+    freq = counts * (1 << RANS_BITS) // np.maximum(counts.sum(1, keepdims=True), 1)
+    freq[(counts > 0) & (freq == 0)] = 1
+    freq[np.arange(n_tables), freq.argmax(1)] += (1 << RANS_BITS) - freq.sum(1)
+    return freq
+
+
+def rans_encode(sym: np.ndarray, tid: np.ndarray, freq: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Interleaved rANS (Duda 2013; 32-bit states, 16-bit words): symbol i, coded with table tid[i], goes to
+    stream i % RANS_LANES, so numpy codes one symbol of every stream per step. Encodes back to front; returns
+    the streams' final states, their word counts, and all words stream by stream in decoding order."""
+    n, lanes = sym.size, RANS_LANES
+    steps = -(-n // lanes)
+    grid = lambda a: np.concatenate([a, np.zeros(steps * lanes - n, a.dtype)]).reshape(steps, lanes)
+    f_all, c_all = freq.astype(np.uint64), (np.cumsum(freq, 1) - freq).astype(np.uint64)
+    sym_g, tid_g, live = grid(sym), grid(tid), grid(np.ones(n, bool))
+    x = np.full(lanes, RANS_LOW, np.uint64)
+    words, out = np.zeros((steps, lanes), np.uint16), np.zeros((steps, lanes), bool)
+    for t in range(steps - 1, -1, -1):
+        f = np.where(live[t], f_all[tid_g[t], sym_g[t]], 1)
+        out[t] = live[t] & (x >= (np.uint64((RANS_LOW >> RANS_BITS) << 16) * f))  # one word keeps x in range
+        words[t] = x & np.uint64(0xFFFF)
+        x = np.where(out[t], x >> np.uint64(16), x)
+        x = np.where(live[t], (x // f << np.uint64(RANS_BITS)) + x % f + c_all[tid_g[t], sym_g[t]], x)
+    return x.astype(np.uint32), out.sum(0).astype(np.uint32), words.T[out.T]
+
+
+def rans_decode(states: np.ndarray, counts: np.ndarray, words: np.ndarray, tid: np.ndarray,
+                freq: np.ndarray) -> np.ndarray:
+    """Inverse of rans_encode for len(tid) symbols; checks that every stream ends where encoding began."""
+    n, lanes, mask = tid.size, RANS_LANES, np.uint64((1 << RANS_BITS) - 1)
+    steps = -(-n // lanes)
+    tid_g = np.concatenate([tid, np.zeros(steps * lanes - n, tid.dtype)]).reshape(steps, lanes)
+    f_all, c_all = freq.astype(np.uint64), (np.cumsum(freq, 1) - freq).astype(np.uint64)
+    slot_sym = np.stack([np.repeat(np.arange(freq.shape[1]), f) for f in freq])  # (tables, 2^RANS_BITS)
+    ptr = np.concatenate([[0], np.cumsum(counts[:-1], dtype=np.int64)])
+    end = ptr + counts
+    x, out = states.astype(np.uint64), np.zeros((steps, lanes), np.int64)
+    live = (np.arange(steps * lanes) < n).reshape(steps, lanes)
+    padded = np.concatenate([words, np.zeros(1, np.uint16)]).astype(np.uint64)
+    for t in range(steps):
+        slot = x & mask
+        s = slot_sym[tid_g[t], slot]
+        x = np.where(live[t], f_all[tid_g[t], s] * (x >> np.uint64(RANS_BITS)) + slot - c_all[tid_g[t], s], x)
+        need = live[t] & (x < RANS_LOW)
+        x = np.where(need, (x << np.uint64(16)) | padded[np.minimum(ptr, len(words))], x)
+        ptr += need
+        out[t] = s
+    if (x != RANS_LOW).any() or (ptr != end).any():
+        raise ValueError("artifact is corrupt: an entropy-coded stream does not decode to its start")
+    return out.reshape(-1)[:n]
+
+
+def _tensor_layout(payload: bytes) -> tuple[int, list[tuple[bool, int]]]:
+    """Where the payload's tensor data starts, and each tensor's (is int8 codes, bytes) in order."""
+    (hlen,) = struct.unpack("<I", payload[4:8])
+    return 8 + hlen, [(dtype == "int8", math.prod(shape) * torch.empty((), dtype=_DTYPES[dtype]).element_size())
+                      for _, dtype, shape in json.loads(payload[8: 8 + hlen])["tensors"]]
+
+
+def rans_compress(payload: bytes) -> bytes:
+    """COMPRESSOR=rans: the int8 tensors (every int6 and int8 code) rANS-coded with one order-0 table per tensor;
+    the header, scales and fp16 tensors, the tables and the streams' states xz-coded beside them."""
+    start, layout = _tensor_layout(payload)
+    codes, rest, at = [], [], start
+    for is_code, n in layout:
+        (codes if is_code else rest).append(payload[at: at + n])
+        at += n
+    sym = np.frombuffer(b"".join(codes), np.uint8).astype(np.int64)
+    tid = np.repeat(np.arange(len(codes)), [len(c) for c in codes])
+    freq = rans_tables(sym, tid, len(codes), 256)
+    states, counts, words = rans_encode(sym, tid, freq)
+    side = lzma.compress(payload[:start] + b"".join(rest) + freq.astype("<u2").tobytes() +
+                         states.astype("<u4").tobytes() + counts.astype("<u4").tobytes(),
+                         format=lzma.FORMAT_XZ, preset=LZMA_PRESET)
+    return struct.pack("<I", len(side)) + side + words.astype("<u2").tobytes()
+
+
+def rans_decompress(body: bytes) -> bytes:
+    """Inverse of rans_compress: the payload, byte for byte."""
+    (side_len,) = struct.unpack("<I", body[:4])
+    side = lzma.decompress(body[4: 4 + side_len], format=lzma.FORMAT_XZ)
+    start, layout = _tensor_layout(side)
+    k, lanes = sum(is_code for is_code, _ in layout), RANS_LANES
+    at = start + sum(n for is_code, n in layout if not is_code)  # the tables, states and counts follow the rest
+    freq = np.frombuffer(side, "<u2", k * 256, at).reshape(k, 256).astype(np.int64)
+    states = np.frombuffer(side, "<u4", lanes, at + 512 * k)
+    counts = np.frombuffer(side, "<u4", lanes, at + 512 * k + 4 * lanes)
+    tid = np.repeat(np.arange(k), [n for is_code, n in layout if is_code])
+    sym = rans_decode(states, counts, np.frombuffer(body, "<u2", offset=4 + side_len), tid, freq).astype(np.uint8)
+    pieces, rest_at, sym_at = [side[:start]], start, 0
+    for is_code, n in layout:
+        pieces.append(sym[sym_at: sym_at + n].tobytes() if is_code else side[rest_at: rest_at + n])
+        sym_at, rest_at = sym_at + n * is_code, rest_at + n * (not is_code)
+    return b"".join(pieces)
+
+
 def compress(payload: bytes, method: str) -> tuple[bytes, str]:
     """zstd level 22 or xz (LZMA_PRESET); auto keeps the smaller; fast is zstd at ZSTD_FAST_LEVEL.
     Both check integrity. Returns (artifact, coder)."""
+    if method == "rans":
+        return ARTIFACT_MAGIC + bytes([COMPRESSOR_CODES["rans"]]) + rans_compress(payload), "rans"
     methods = ["zstd", "lzma"] if method == "auto" else [method]
     if _zstd() is None:
         if method in ("zstd", "fast"):
@@ -2012,6 +2116,8 @@ def decompress(blob: bytes) -> bytes:
     if len(blob) < 5 or blob[:4] != ARTIFACT_MAGIC or blob[4] not in COMPRESSOR_CODES.values():
         raise ValueError("not an artifact of this script (bad magic or compressor byte)")
     try:
+        if blob[4] == COMPRESSOR_CODES["rans"]:
+            return rans_decompress(blob[5:])
         if blob[4] == COMPRESSOR_CODES["zstd"]:
             if _zstd() is None:
                 raise RuntimeError("artifact is zstd-compressed but the zstandard package is not installed")
@@ -2022,7 +2128,7 @@ def decompress(blob: bytes) -> bytes:
         if not dec.eof or dec.unused_data:  # one-shot APIs silently accept truncation / trailing junk
             raise ValueError("artifact is corrupt or truncated: stream incomplete or followed by extra bytes")
         return out
-    except (lzma.LZMAError, EOFError) as e:
+    except (lzma.LZMAError, EOFError, struct.error, IndexError) as e:
         raise ValueError(f"artifact is corrupt or truncated: {e}") from None
     except Exception as e:
         if type(e).__name__ == "ZstdError":

@@ -576,3 +576,46 @@ def _probe(tmp_path: Path, stub: Path) -> Path:
                      "src = inspect.getsource(ns['_xsa_fwd'].fn)  # what @triton.jit reads\n"
                      "print('kernel source found' if src.lstrip().startswith('@triton.jit') else 'missing')\n")
     return probe
+
+
+# =============================================================================================
+# Entropy coding (COMPRESSOR=rans)
+# =============================================================================================
+
+def order0_bytes(sym: np.ndarray, tid: np.ndarray) -> float:
+    total = 0.0
+    for t in np.unique(tid):
+        counts = np.bincount(sym[tid == t])
+        p = counts[counts > 0] / counts.sum()
+        total -= (p * np.log2(p)).sum() * counts.sum() / 8
+    return total
+
+
+@pytest.mark.parametrize("n", [1, 5, tg.RANS_LANES, tg.RANS_LANES + 1, 300_001])
+def test_rans_roundtrips_bit_exactly(n):
+    rng = np.random.default_rng(n)
+    tid = np.sort(rng.integers(0, 3, n))
+    sym = np.where(tid == 0, rng.integers(0, 256, n),  # uniform bytes; int6-like codes; one symbol only
+                   np.where(tid == 1, np.clip(np.round(rng.standard_t(4, n) * 5), -31, 31) + 128, 7)).astype(np.int64)
+    freq = tg.rans_tables(sym, tid, 3, 256)
+    assert (freq.sum(1) == 1 << tg.RANS_BITS).all() and ((np.bincount(tid * 256 + sym, minlength=768) > 0)
+                                                          <= (freq.reshape(-1) > 0)).all()
+    states, counts, words = tg.rans_encode(sym, tid, freq)
+    np.testing.assert_array_equal(tg.rans_decode(states, counts, words, tid, freq), sym)
+    if n > 100_000:  # at most 1% over the order-0 entropy, plus the lanes' fixed cost (a 32-bit state each)
+        assert words.nbytes + states.nbytes < 1.01 * order0_bytes(sym, tid) + 4 * tg.RANS_LANES
+        bad = words.copy()
+        bad[len(bad) // 2] ^= 0x5A5A
+        with pytest.raises(ValueError, match="does not decode to its start"):
+            tg.rans_decode(states, counts, bad, tid, freq)
+
+
+def test_rans_artifact_gives_back_the_payload_byte_for_byte(tmp_path):
+    cfg = tiny_cfg(**QCFG)
+    payload = tg.pack_tensors(tg.quantize_state(random_model(cfg, seed=4).state_dict(), cfg), cfg)
+    blob, coder = tg.compress(payload, "rans")
+    assert coder == "rans" and blob[:5] == b"PGA1\x02"
+    assert tg.decompress(blob) == payload
+    for how in ("flipped", "truncated"):
+        with pytest.raises(ValueError, match="corrupt|truncated"):
+            tg.decompress(damaged(blob, how))

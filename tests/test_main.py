@@ -275,7 +275,7 @@ def test_a_finished_runs_checkpoint_exports_again_without_training(dataset, toke
     assert r.returncode == 0, r.stderr[-3000:]
     first = (tmp_path / "logs" / "q.txt").read_text()
     assert re.search(r"^checkpoint step:6 path:logs/q.ckpt bytes:\d+ time:\d+ms$", first, re.M)
-    gptq = dict(GPTQ_CALIBRATION_BATCHES="2", MATRIX_CLIP_SIGMAS="12.85")
+    gptq = dict(GPTQ_CALIBRATION_BATCHES="2", MATRIX_CLIP_SIGMAS="12.85", COMPRESSOR="rans")
     r = run_script(dict(env, RESUME="logs/q.ckpt", **gptq), tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     again = (tmp_path / "logs" / "q_2.txt").read_text()
@@ -283,6 +283,7 @@ def test_a_finished_runs_checkpoint_exports_again_without_training(dataset, toke
     assert "warning GPTQ_CALIBRATION_BATCHES=2 but checkpoint logs/q.ckpt was made with GPTQ_CALIBRATION_BATCHES=0; " \
            "the environment's value is used" in again
     assert re.search(r"^gptq_calibration batches:2 time:\d+ms reserved:0ms$", again, re.M)
+    assert re.search(r"^Total submission size int6\+rans: \d+ bytes", again, re.M)
     assert one_line(again, "post_ema_exact ") == one_line(first, "post_ema_exact ")
     assert one_line(again, "final_int6_roundtrip_exact ") != one_line(first, "final_int6_roundtrip_exact ")
     r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY="logs/q_2.int6.ptz", RUN_ID="q_eval"), tmp_path)
