@@ -330,3 +330,27 @@ def test_a_variant_can_run_another_script_checked_by_its_own_parser(tmp_path):
     r = run_sweep(["--dry-run", "--seeds", "1", "--variant", "before=EXTRA_KNOB=2", "--variant",
                    f"after=SCRIPT={copy}"], tmp_path, timeout=120)
     assert r.returncode == 2 and "variant before: unknown setting EXTRA_KNOB" in r.stderr
+
+
+def test_export_only_sweep_scores_one_trained_model_with_each_export(tmp_path, dataset, tokenizer_path):
+    """--export-only: the first variant trains and leaves its final checkpoint; the others export and score it again
+    on the same slot after it (no training: the same post-EMA weights), so their difference is the quantiser's
+    alone. Dry run: the runner's settings and the order; then a real tiny sweep of one seed."""
+    args = ["--name", "x", "--seeds", "1,2", "--export-only", "--base", tiny_base(dataset, tokenizer_path),
+            "--variant", "base=", "--variant", "sd=MATRIX_CLIP_SIGMAS=12.85 COMPRESSOR=rans"]
+    r = run_sweep(["--dry-run", *args], tmp_path, gpus="0,1", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert _placements(r.stdout) == {("base", 1): "gpu 0", ("sd", 1): "gpu 0", ("base", 2): "gpu 1",
+                                     ("sd", 2): "gpu 1"}
+    commands = [line for line in r.stdout.splitlines() if "train_gpt.py" in line]
+    assert [("CHECKPOINT_EVERY=1e9" in c, "RESUME=logs/x_base_s1.ckpt" in c, "RESUME=logs/x_base_s2.ckpt" in c)
+            for c in commands] == [(True, False, False), (False, True, False), (True, False, False),
+                                   (False, False, True)]
+    r = run_sweep(["--dry-run", *args[:-2], "--variant", "bad=RESUME=x.ckpt"], tmp_path, timeout=120)
+    assert r.returncode == 2 and "none of them setting RESUME or CHECKPOINT_EVERY" in r.stderr
+    r = run_sweep([*args[:3], "1", *args[5:]], tmp_path, OMP_NUM_THREADS="1")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {row["variant"]: row for row in json.loads((tmp_path / "logs" / "x.json").read_text())["table"]}
+    assert rows["sd"]["post_ema"]["mean"] == rows["base"]["post_ema"]["mean"]  # the same weights
+    assert rows["sd"]["roundtrip"]["mean"] != rows["base"]["roundtrip"]["mean"]  # another quantiser
+    assert "Total submission size int6+rans" in (tmp_path / "logs" / "x_sd_s1.txt").read_text()

@@ -9,7 +9,9 @@ Settings are layered preset < --base < --variant, each a string of `K=V` words (
 one goes through train_gpt.py's own strict parsing before the first run starts, so a typo stops the sweep at
 once, naming the setting. The runner sets RUN_ID (<sweep>_<variant>_s<seed>), SEED and ARTIFACT_PATH itself.
 SCRIPT=path in a variant runs that variant with another copy of train_gpt.py (a code change's before/after),
-its settings checked by that copy's parser.
+its settings checked by that copy's parser. --export-only: the first variant trains and the others only export
+and score its final checkpoint again (RESUME), with their own export settings: quantisers and coders compared
+on the same weights, at a fraction of a run's cost.
 Runs start in the calling directory: logs/<RUN_ID>.txt (the script's log), logs/<RUN_ID>.out (everything the
 run printed), logs/<RUN_ID>.int6.ptz (its artifact), and at the end logs/<sweep>.json (the table, every run's
 numbers and where its wall time went). With no visible GPU the runs go one at a time on the CPU.
@@ -188,7 +190,9 @@ class Run:
 
 
 def plan_runs(sweep: str, variants: dict[str, dict[str, str]], seeds: list[int], scripts: dict[str, Path],
-              gpus_per_run: int, gpus: list[str]) -> tuple[list[Run], list[list[str]]]:
+              gpus_per_run: int, gpus: list[str], export_only: bool = False) -> tuple[list[Run], list[list[str]]]:
+    """export_only: the first variant trains (and leaves its final checkpoint); the others export and score that
+    checkpoint again (RESUME) on the same slot after it, one seed per slot: quantisers compared on one model."""
     slots = [gpus[i: i + gpus_per_run] for i in range(0, len(gpus) - gpus_per_run + 1, gpus_per_run)] or [[]]
     if gpus and len(gpus) < gpus_per_run:
         raise SweepError(f"--gpus-per-run {gpus_per_run} but only {len(gpus)} GPU(s) visible: {','.join(gpus)}")
@@ -204,9 +208,12 @@ def plan_runs(sweep: str, variants: dict[str, dict[str, str]], seeds: list[int],
         for v, (name, settings) in enumerate(variants.items()):
             # round robin over the whole sweep fills every slot; when V is a multiple of the slot count that
             # alone would keep each variant on one GPU, so each seed's block is also turned by one
-            slot = (s * V + v + (s if V % G == 0 else 0)) % G
+            slot = s % G if export_only else (s * V + v + (s if V % G == 0 else 0)) % G
             run_id = f"{sweep}_{name}_s{seed}"
             env = dict(settings, RUN_ID=run_id, SEED=str(seed), ARTIFACT_PATH=f"logs/{run_id}.int6.ptz")
+            if export_only:  # CHECKPOINT_EVERY > 0: the trained state is written at the end
+                env |= dict(CHECKPOINT_EVERY="1e9") if v == 0 else dict(
+                    RESUME=f"logs/{sweep}_{next(iter(variants))}_s{seed}.ckpt")
             if "OMP_NUM_THREADS" not in settings and "OMP_NUM_THREADS" not in os.environ:
                 env["OMP_NUM_THREADS"] = threads
             if slots[slot]:
@@ -482,6 +489,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--run-timeout", type=float, help="seconds; a run still going then is killed and reported failed")
     ap.add_argument("--dry-run", action="store_true", help="print each run's command and GPU, run nothing")
     ap.add_argument("--plot", action="store_true", help="also write PNGs of the loss curves and scores (matplotlib)")
+    ap.add_argument("--export-only", action="store_true",
+                    help="the first variant trains; the others only export and score its final checkpoint (paired "
+                         "comparisons of export settings: quantisers, coders), after it on the same GPU")
     return ap.parse_args(argv)
 
 
@@ -504,6 +514,9 @@ def build(args: argparse.Namespace):
         raise SweepError(f"--seeds {args.seeds!r}: need at least one seed, none repeated")
     if args.gpus_per_run < 1:
         raise SweepError("--gpus-per-run must be >= 1")
+    if args.export_only and (len(variants) < 2 or any({"RESUME", "CHECKPOINT_EVERY"} & set(v) for v in variants.values())):
+        raise SweepError("--export-only needs a trained first variant and others to export again, none of them "
+                         "setting RESUME or CHECKPOINT_EVERY (the runner sets those)")
     sweep = args.name or datetime.now(timezone.utc).strftime("sweep_%Y%m%d_%H%M%S")
     if not NAME_RE.fullmatch(sweep):
         raise SweepError(f"--name {sweep!r}: letters, digits, '.', '_', '-' only")
@@ -516,7 +529,7 @@ def build(args: argparse.Namespace):
             modules[scripts[name]] = load_script(scripts[name])
         check_settings(modules[scripts[name]], name, settings, args.gpus_per_run)
     tg = modules[scripts[next(iter(variants))]]
-    runs, slots = plan_runs(sweep, variants, seeds, scripts, args.gpus_per_run, visible_gpus())
+    runs, slots = plan_runs(sweep, variants, seeds, scripts, args.gpus_per_run, visible_gpus(), args.export_only)
     if preset and preset.train_shards and not args.dry_run:
         for name, settings in variants.items():
             data = settings.get("DATA_PATH", os.environ.get("DATA_PATH", tg.Hyperparameters.data_path))
