@@ -738,7 +738,10 @@ class Optimizers:
         return {"adam": self.adam.state_dict(), "momentum": [self.muon.whole_momentum(p) for p in self.muon.banks]}
 
     def load_state_dict(self, state: dict) -> None:
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.adam.param_groups]
         self.adam.load_state_dict(state["adam"])
+        for group, own in zip(self.adam.param_groups, settings):  # the moments are restored, the settings ours
+            group.update(own)
         for p, m in zip(self.muon.banks, state["momentum"]):
             self.muon.load_whole_momentum(p, m, self.rank)
 
@@ -2041,7 +2044,7 @@ def rans_decode(states: np.ndarray, counts: np.ndarray, words: np.ndarray, tid: 
         x = np.where(need, (x << np.uint64(16)) | padded[np.minimum(ptr, len(words))], x)
         ptr += need
         out[t] = s
-    if (x != RANS_LOW).any() or (ptr != end).any():
+    if (x != RANS_LOW).any() or (ptr != end).any() or int(counts.sum()) != len(words):
         raise ValueError("artifact is corrupt: an entropy-coded stream does not decode to its start")
     return out.reshape(-1)[:n]
 
@@ -2326,7 +2329,8 @@ class Trainer:
         cap_ms = train_cap_ms(cfg)
         # one host sync per iteration where ranks must agree on a clock: the cap, checkpoints, or a signal
         clocked = cap_ms > 0 or cfg.checkpoint_every > 0 or rt.world_size > 1
-        recent_ms: list[float] = []  # durations of whole iterations (logging included, val excluded)
+        # durations of whole iterations (logging included, val excluded); a resumed run starts from the saved one's
+        recent_ms: list[float] = [self.clock["recent_ms"]] if self.clock.get("recent_ms") else []
         first_bad = torch.full((), -1, dtype=torch.int64, device=rt.device)  # first non-finite loss step
         step, train_ms, progress = self.clock["step"], self.clock["train_ms"], self.clock["progress"]
         if self.clock.get("done"):
@@ -2335,8 +2339,10 @@ class Trainer:
         t0, t_prev = now_ms(rt.device), None  # t_prev: start of the previous iteration (clocked)
         last_line = t0
         # SIGINT / SIGTERM: the loop writes a checkpoint at the next step's start and stops
-        handlers = {s: signal.signal(s, lambda signum, _: setattr(self, "signal", signum))
-                    for s in (signal.SIGINT, signal.SIGTERM)}
+        def on_signal(signum: int, _) -> None:
+            self.signal = signum
+            signal.signal(signum, handlers[signum])  # a second one acts as it would without this loop
+        handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             while step < cfg.iterations:
                 if cfg.val_loss_every > 0 and step > 0 and step % cfg.val_loss_every == 0:
@@ -2357,13 +2363,13 @@ class Trainer:
                     if cap_ms > 0 and predicted > cap_ms:
                         log(f"stopping_early: wallclock_cap train_time:{elapsed:.0f}ms step:{step}/{cfg.iterations}")
                         break
-                if stop or (cfg.checkpoint_every > 0 and elapsed - last_ckpt >= 1000 * cfg.checkpoint_every):
-                    train_ms += now_ms(rt.device) - t0
-                    self.save_checkpoint(ema, dict(step=step, train_ms=train_ms, progress=progress))
-                    if stop:
-                        log(f"interrupted by {signal.Signals(int(stop)).name} at step {step}: resume with "
-                            f"RESUME={self.ckpt_path} and the same settings")
-                        return step, train_ms, int(stop)
+                if stop:
+                    break
+                if cfg.checkpoint_every > 0 and elapsed - last_ckpt >= 1000 * cfg.checkpoint_every:
+                    # on the agreed clock: ranks' own clocks drift apart, and every rank must take part in this
+                    train_ms = elapsed
+                    self.save_checkpoint(ema, dict(step=step, train_ms=train_ms, progress=progress,
+                                                   recent_ms=max(recent_ms[-10:], default=0.0)))
                     t0, t_prev, last_ckpt = now_ms(rt.device), None, train_ms
                 lr_scale = lr_scale_at(cfg, step, elapsed)
                 if cfg.late_qat_threshold > 0 and lr_scale < cfg.late_qat_threshold and not self.model.qat_enabled:
@@ -2398,8 +2404,14 @@ class Trainer:
                 signal.signal(s, handler)
         train_ms += now_ms(rt.device) - t0
         self.check_finite(first_bad)
-        if cfg.checkpoint_every > 0:  # the trained state: RESUME=it exports and scores again, with no training
-            self.save_checkpoint(ema, dict(step=step, train_ms=train_ms, progress=progress, done=True))
+        stopped = int(all_reduce_max(float(self.signal), rt.device))  # one that came in the last step counts too
+        if stopped or cfg.checkpoint_every > 0:  # done: RESUME=it exports and scores again, with no training
+            self.save_checkpoint(ema, dict(step=step, train_ms=train_ms, progress=progress, done=not stopped,
+                                           recent_ms=max(recent_ms[-10:], default=0.0)))
+        if stopped:
+            log(f"interrupted by {signal.Signals(stopped).name} at step {step}: resume with RESUME={self.ckpt_path} "
+                "and the same settings")
+            return step, train_ms, stopped
         self.release_graphs()
         return step, train_ms, 0
 
@@ -2425,6 +2437,8 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         if ema is not None and state["ema"] is not None:
             torch._foreach_copy_(ema.shadow, [t.to(self.rt.device) for t in state["ema"]])
+        elif ema is not None:  # a checkpoint of a run without EMA: the average starts from its weights
+            ema.shadow = [p.detach().float().clone() for p in ema.params]
         torch.set_rng_state(state["rng"])
         if state["cuda_rng"] is not None and self.rt.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"], self.rt.device)

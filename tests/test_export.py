@@ -619,3 +619,10 @@ def test_rans_artifact_gives_back_the_payload_byte_for_byte(tmp_path):
     for how in ("flipped", "truncated"):
         with pytest.raises(ValueError, match="corrupt|truncated"):
             tg.decompress(damaged(blob, how))
+
+
+def test_rans_artifact_with_trailing_bytes_is_refused():
+    cfg = tiny_cfg()
+    blob = tg.compress(tg.pack_tensors(tg.quantize_state(random_model(cfg, seed=6).state_dict(), cfg), cfg), "rans")[0]
+    with pytest.raises(ValueError, match="corrupt"):
+        tg.decompress(blob + b"\x00\x00\x12\x34")

@@ -346,6 +346,10 @@ def test_export_only_sweep_scores_one_trained_model_with_each_export(tmp_path, d
     assert [("CHECKPOINT_EVERY=1e9" in c, "RESUME=logs/x_base_s1.ckpt" in c, "RESUME=logs/x_base_s2.ckpt" in c)
             for c in commands] == [(True, False, False), (False, True, False), (True, False, False),
                                    (False, False, True)]
+    r = run_sweep(["--dry-run", *args[:-4], "--variant", "sd=MATRIX_CLIP_SIGMAS=12.85", "--variant", "plain="],
+                  tmp_path, timeout=120)
+    plain = [c for c in r.stdout.splitlines() if "RUN_ID=x_plain_s1 " in c]
+    assert len(plain) == 1 and "MATRIX_CLIP_SIGMAS=0.0 " in plain[0]  # set back to the default, not inherited
     r = run_sweep(["--dry-run", *args[:-2], "--variant", "bad=RESUME=x.ckpt"], tmp_path, timeout=120)
     assert r.returncode == 2 and "none of them setting RESUME or CHECKPOINT_EVERY" in r.stderr
     r = run_sweep([*args[:3], "1", *args[5:]], tmp_path, OMP_NUM_THREADS="1")

@@ -325,3 +325,84 @@ def test_gptq_reserve_comes_off_the_training_cap(dataset, tokenizer_path, monkey
     assert [r[1] for r in record] == pytest.approx([1, 1, 1, 0.8, 0.6, 0.4, 0.2], abs=1e-9)
     with pytest.raises(ValueError, match="GPTQ_RESERVE_SECONDS must be below MAX_WALLCLOCK_SECONDS"):
         make_cfg(MAX_WALLCLOCK_SECONDS=10, GPTQ_RESERVE_SECONDS=10)
+
+
+# =============================================================================================
+# Checkpoints inside the loop
+# =============================================================================================
+
+def _checkpoint_steps_with_rank_clocks(rank, world_size, data_path, tok_path):
+    """Trainer.train on `rank` with its own fake clock (rank 1 runs 10% slower) and CHECKPOINT_EVERY=0.25 s."""
+    cfg, _ = tg.Hyperparameters.from_env(tiny_env(Path(data_path), Path(tok_path), MAX_WALLCLOCK_SECONDS=0,
+                                                  ITERATIONS=40, CHECKPOINT_EVERY=0.25, TRAIN_LOG_EVERY=0))
+    rt = tg.Runtime(rank, world_size, rank)
+    clock, saved = FakeClock(), []
+    tg.now_ms = clock
+    tr = tg.Trainer(cfg, rt, tg.build_model(cfg, rt), None, tg.Logger(cfg.run_id, False))
+
+    def fake_step(step, lr_scale):
+        clock.ms += 100.0 if rank == 0 else 110.0
+        return torch.tensor(1.0)
+    tr.step = fake_step
+    tr.save_checkpoint = lambda ema, clock_: saved.append((clock_["step"], clock_["train_ms"]))
+    tr.train(scorer=None, ema=None)
+    return saved
+
+
+def test_ranks_checkpoint_together_on_the_agreed_clock(dataset, tokenizer_path):
+    """A checkpoint is a collective (the momentum gather): on their own drifting clocks two ranks chose different
+    steps and the run hung (found in review, 2 gloo ranks). On the agreed (slowest) clock they choose the same."""
+    per_rank = spawn(_checkpoint_steps_with_rank_clocks, 2, str(dataset), str(tokenizer_path))
+    assert [s for s, _ in per_rank[0]] == [s for s, _ in per_rank[1]] and len(per_rank[0]) >= 10
+    assert per_rank[0][:-1] == per_rank[1][:-1]  # with the agreed train time (the final one is each rank's own)
+    steps = [s for s, _ in per_rank[0][:-1]]
+    assert steps == list(range(3, 3 * len(steps) + 1, 3))  # 110 ms steps: every third crosses 0.25 s
+
+
+def test_a_signal_in_the_last_step_still_stops_with_a_checkpoint(dataset, tokenizer_path, monkeypatch, tmp_path):
+    import os
+    import signal
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs").mkdir()
+    clock, lines = FakeClock(), []
+    monkeypatch.setattr(tg, "now_ms", clock)
+    tr = make_trainer(dataset, tokenizer_path, log=lines.append, ITERATIONS=4, LATE_QAT_THRESHOLD=0, RUN_ID="sig")
+    before = signal.getsignal(signal.SIGTERM)
+
+    def fake_step(step, lr_scale):
+        clock.ms += 10.0
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return torch.tensor(1.0)
+    tr.step = fake_step
+    assert tr.train(scorer=None, ema=None)[::2] == (4, signal.SIGTERM)
+    assert "interrupted by SIGTERM at step 4: resume with RESUME=logs/sig.ckpt and the same settings" in lines
+    ckpt = tg.read_checkpoint("logs/sig.ckpt")
+    assert ckpt["clock"]["step"] == 4 and not ckpt["clock"]["done"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_resumed_run_near_the_cap_does_not_overshoot_it(dataset, tokenizer_path, monkeypatch):
+    """The saved recent step time: without it the first step after a resume was predicted to take nothing."""
+    clock = FakeClock()
+    monkeypatch.setattr(tg, "now_ms", clock)
+    tr = make_trainer(dataset, tokenizer_path, MAX_WALLCLOCK_SECONDS=1.0, ITERATIONS=1000, LATE_QAT_THRESHOLD=0)
+    tr.clock = dict(step=9, train_ms=950.0, progress=0.95, qat=False, recent_ms=100.0)
+    ran = []
+    tr.step = lambda step, lr: (ran.append(step), setattr(clock, "ms", clock.ms + 100.0), torch.tensor(1.0))[2]
+    steps, train_ms, _ = tr.train(scorer=None, ema=None)
+    assert ran == [] and steps == 9 and train_ms <= 1000.0
+
+
+def test_loading_a_state_keeps_this_runs_settings_and_starts_a_missing_ema_from_its_weights(dataset, tokenizer_path):
+    tr = make_trainer(dataset, tokenizer_path)
+    tr.step(0, 1.0)
+    state = copy.deepcopy(tr.state(None, tr.clock))
+    other = make_trainer(dataset, tokenizer_path, SCALAR_LR=0.001, ADAM_WD=0.0, BETA2=0.99, SEED=7)
+    ema = tg.EMA(other.model, 0.08)
+    other.load(state, ema)
+    groups = {g["base_lr"]: g for g in other.opt.adam.param_groups}
+    assert 0.001 in groups and groups[0.001]["weight_decay"] == 0.0 and groups[0.001]["betas"] == (0.9, 0.99)
+    assert all(torch.equal(other.opt.adam.state[p]["exp_avg"], tr.opt.adam.state[q]["exp_avg"])
+               for p, q in zip(other.opt.replicated, tr.opt.replicated))
+    assert all(torch.equal(s, p.float()) for s, p in zip(ema.shadow, other.model.parameters()))  # not seed 7's

@@ -529,6 +529,12 @@ def build(args: argparse.Namespace):
             modules[scripts[name]] = load_script(scripts[name])
         check_settings(modules[scripts[name]], name, settings, args.gpus_per_run)
     tg = modules[scripts[next(iter(variants))]]
+    if args.export_only:  # a key an export variant leaves unset would come from the checkpoint (the first variant's)
+        defaults = {f.name.upper(): f.default for f in dataclasses.fields(tg.Hyperparameters)}
+        keys = set().union(*variants.values())
+        for name, settings in list(variants.items())[1:]:
+            settings |= {k: str(int(defaults[k]) if isinstance(defaults[k], bool) else defaults[k])
+                         for k in keys - set(settings) if k in defaults}
     runs, slots = plan_runs(sweep, variants, seeds, scripts, args.gpus_per_run, visible_gpus(), args.export_only)
     if preset and preset.train_shards and not args.dry_run:
         for name, settings in variants.items():
