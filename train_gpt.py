@@ -1951,6 +1951,11 @@ def dequantize_state(packed: dict[str, Tensor], template: dict[str, Tensor], num
 _DTYPES = {"int8": torch.int8, "float16": torch.float16, "float32": torch.float32}
 
 
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    """Bytes of a payload tensor from its header entry."""
+    return math.prod(shape) * torch.empty((), dtype=_DTYPES[dtype]).element_size()
+
+
 def pack_tensors(tensors: dict[str, Tensor], cfg: Hyperparameters) -> bytes:
     """Compact container: magic, u32 header length, JSON {"settings": the MODEL_SETTINGS, "tensors": [[name,
     dtype, shape], ...]}, raw data."""
@@ -1972,11 +1977,10 @@ def unpack_tensors(buf: bytes) -> tuple[dict, dict[str, Tensor]]:
         raise ValueError("artifact payload is corrupt (unreadable header)") from None
     out, offset = {}, 8 + hlen
     for name, dtype, shape in header["tensors"]:
-        dt = _DTYPES[dtype]
-        n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        n = _nbytes(dtype, shape)
         if offset + n > len(buf):
             raise ValueError(f"artifact payload is truncated at tensor {name}")
-        out[name] = torch.frombuffer(bytearray(buf[offset: offset + n]), dtype=dt).reshape(shape)
+        out[name] = torch.frombuffer(bytearray(buf[offset: offset + n]), dtype=_DTYPES[dtype]).reshape(shape)
         offset += n
     if offset != len(buf):
         raise ValueError(f"artifact payload has {len(buf) - offset} trailing bytes")
@@ -2052,8 +2056,8 @@ def rans_decode(states: np.ndarray, counts: np.ndarray, words: np.ndarray, tid: 
 def _tensor_layout(payload: bytes) -> tuple[int, list[tuple[bool, int]]]:
     """Where the payload's tensor data starts, and each tensor's (is int8 codes, bytes) in order."""
     (hlen,) = struct.unpack("<I", payload[4:8])
-    return 8 + hlen, [(dtype == "int8", math.prod(shape) * torch.empty((), dtype=_DTYPES[dtype]).element_size())
-                      for _, dtype, shape in json.loads(payload[8: 8 + hlen])["tensors"]]
+    return 8 + hlen, [(dtype == "int8", _nbytes(dtype, shape)) for _, dtype, shape in
+                      json.loads(payload[8: 8 + hlen])["tensors"]]
 
 
 def rans_compress(payload: bytes) -> bytes:
