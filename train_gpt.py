@@ -477,11 +477,10 @@ def claim_outputs(cfg: Hyperparameters) -> Hyperparameters:
     an empty ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz. Every rank decides before the process group's
     rendezvous, so before rank 0 creates the log: all agree. The output folders are checked now, not when a
     finished run writes into them."""
-    logs, run_id = Path("logs"), cfg.run_id
+    logs, run_id, n = Path("logs"), cfg.run_id, 1
     logs.mkdir(exist_ok=True)
-    for n in range(2, 10**6):
-        if not (logs / f"{run_id}.txt").exists():
-            break
+    while (logs / f"{run_id}.txt").exists():
+        n += 1
         run_id = f"{cfg.run_id}_{n}"
     cfg = replace(cfg, run_id=run_id, artifact_path=cfg.artifact_path or str(logs / f"{run_id}.int6.ptz"))
     for folder, what in ((logs, "the log folder"), (Path(cfg.artifact_path).parent, "ARTIFACT_PATH's folder")):
@@ -2007,17 +2006,24 @@ def rans_tables(sym: np.ndarray, tid: np.ndarray, n_tables: int, n_sym: int) -> 
     return freq
 
 
+def _by_step(a: np.ndarray, steps: int) -> np.ndarray:
+    """Symbol i at [i // RANS_LANES, i % RANS_LANES]; the last step padded with zeros."""
+    return np.concatenate([a, np.zeros(steps * RANS_LANES - a.size, a.dtype)]).reshape(steps, RANS_LANES)
+
+
+def _freq_cum(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return freq.astype(np.uint64), (np.cumsum(freq, 1) - freq).astype(np.uint64)
+
+
 def rans_encode(sym: np.ndarray, tid: np.ndarray, freq: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Interleaved rANS (Duda 2013; 32-bit states, 16-bit words): symbol i, coded with table tid[i], goes to
     stream i % RANS_LANES, so numpy codes one symbol of every stream per step. Encodes back to front; returns
     the streams' final states, their word counts, and all words stream by stream in decoding order."""
-    n, lanes = sym.size, RANS_LANES
-    steps = -(-n // lanes)
-    grid = lambda a: np.concatenate([a, np.zeros(steps * lanes - n, a.dtype)]).reshape(steps, lanes)
-    f_all, c_all = freq.astype(np.uint64), (np.cumsum(freq, 1) - freq).astype(np.uint64)
-    sym_g, tid_g, live = grid(sym), grid(tid), grid(np.ones(n, bool))
-    x = np.full(lanes, RANS_LOW, np.uint64)
-    words, out = np.zeros((steps, lanes), np.uint16), np.zeros((steps, lanes), bool)
+    steps = -(-sym.size // RANS_LANES)
+    f_all, c_all = _freq_cum(freq)
+    sym_g, tid_g, live = _by_step(sym, steps), _by_step(tid, steps), _by_step(np.ones(sym.size, bool), steps)
+    x = np.full(RANS_LANES, RANS_LOW, np.uint64)
+    words, out = np.zeros((steps, RANS_LANES), np.uint16), np.zeros((steps, RANS_LANES), bool)
     for t in range(steps - 1, -1, -1):
         f = np.where(live[t], f_all[tid_g[t], sym_g[t]], 1)
         out[t] = live[t] & (x >= (np.uint64((RANS_LOW >> RANS_BITS) << 16) * f))  # one word keeps x in range
@@ -2030,15 +2036,13 @@ def rans_encode(sym: np.ndarray, tid: np.ndarray, freq: np.ndarray) -> tuple[np.
 def rans_decode(states: np.ndarray, counts: np.ndarray, words: np.ndarray, tid: np.ndarray,
                 freq: np.ndarray) -> np.ndarray:
     """Inverse of rans_encode for len(tid) symbols; checks that every stream ends where encoding began."""
-    n, lanes, mask = tid.size, RANS_LANES, np.uint64((1 << RANS_BITS) - 1)
-    steps = -(-n // lanes)
-    tid_g = np.concatenate([tid, np.zeros(steps * lanes - n, tid.dtype)]).reshape(steps, lanes)
-    f_all, c_all = freq.astype(np.uint64), (np.cumsum(freq, 1) - freq).astype(np.uint64)
+    steps, mask = -(-tid.size // RANS_LANES), np.uint64((1 << RANS_BITS) - 1)
+    tid_g, live = _by_step(tid, steps), _by_step(np.ones(tid.size, bool), steps)
+    f_all, c_all = _freq_cum(freq)
     slot_sym = np.stack([np.repeat(np.arange(freq.shape[1]), f) for f in freq])  # (tables, 2^RANS_BITS)
     ptr = np.concatenate([[0], np.cumsum(counts[:-1], dtype=np.int64)])
     end = ptr + counts
-    x, out = states.astype(np.uint64), np.zeros((steps, lanes), np.int64)
-    live = (np.arange(steps * lanes) < n).reshape(steps, lanes)
+    x, out = states.astype(np.uint64), np.zeros((steps, RANS_LANES), np.int64)
     padded = np.concatenate([words, np.zeros(1, np.uint16)]).astype(np.uint64)
     for t in range(steps):
         slot = x & mask
@@ -2050,7 +2054,7 @@ def rans_decode(states: np.ndarray, counts: np.ndarray, words: np.ndarray, tid: 
         out[t] = s
     if (x != RANS_LOW).any() or (ptr != end).any() or int(counts.sum()) != len(words):
         raise ValueError("artifact is corrupt: an entropy-coded stream does not decode to its start")
-    return out.reshape(-1)[:n]
+    return out.reshape(-1)[: tid.size]
 
 
 def _tensor_layout(payload: bytes) -> tuple[int, list[tuple[bool, int]]]:
@@ -2347,6 +2351,9 @@ class Trainer:
             self.signal = signum
             signal.signal(signum, handlers[signum])  # a second one acts as it would without this loop
         handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def clock(ms: float, **more) -> dict:  # where a checkpoint taken now resumes
+            return dict(step=step, train_ms=ms, progress=progress, recent_ms=max(recent_ms[-10:], default=0.0), **more)
         try:
             while step < cfg.iterations:
                 if cfg.val_loss_every > 0 and step > 0 and step % cfg.val_loss_every == 0:
@@ -2372,8 +2379,7 @@ class Trainer:
                 if cfg.checkpoint_every > 0 and elapsed - last_ckpt >= 1000 * cfg.checkpoint_every:
                     # on the agreed clock: ranks' own clocks drift apart, and every rank must take part in this
                     train_ms = elapsed
-                    self.save_checkpoint(ema, dict(step=step, train_ms=train_ms, progress=progress,
-                                                   recent_ms=max(recent_ms[-10:], default=0.0)))
+                    self.save_checkpoint(ema, clock(train_ms))
                     t0, t_prev, last_ckpt = now_ms(rt.device), None, train_ms
                 lr_scale = lr_scale_at(cfg, step, elapsed)
                 if cfg.late_qat_threshold > 0 and lr_scale < cfg.late_qat_threshold and not self.model.qat_enabled:
@@ -2382,7 +2388,7 @@ class Trainer:
                 try:
                     loss = self.step(step, lr_scale)
                 except ShardError as e:  # raised before the step's work: keep what was trained
-                    self.save_checkpoint(ema, dict(step=step, train_ms=train_ms + now_ms(rt.device) - t0, progress=progress))
+                    self.save_checkpoint(ema, clock(train_ms + now_ms(rt.device) - t0))
                     raise ShardError(f"{e}; checkpoint {self.ckpt_path} written at step {step}: fix the data, "
                                      f"then resume with RESUME={self.ckpt_path}") from None
                 # progress by iteration or (capped) by the agreed clock, whichever is further; a stall counts
@@ -2410,8 +2416,7 @@ class Trainer:
         self.check_finite(first_bad)
         stopped = int(all_reduce_max(float(self.signal), rt.device))  # one that came in the last step counts too
         if stopped or cfg.checkpoint_every > 0:  # done: RESUME=it exports and scores again, with no training
-            self.save_checkpoint(ema, dict(step=step, train_ms=train_ms, progress=progress, done=not stopped,
-                                           recent_ms=max(recent_ms[-10:], default=0.0)))
+            self.save_checkpoint(ema, clock(train_ms, done=not stopped))
         if stopped:
             log(f"interrupted by {signal.Signals(stopped).name} at step {step}: resume with RESUME={self.ckpt_path} "
                 "and the same settings")

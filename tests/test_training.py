@@ -227,20 +227,27 @@ def test_capped_run_that_reaches_iterations_first_has_warmdown_and_full_progress
     assert deltas == pytest.approx([0.1] * 10, abs=1e-12) and sum(deltas) == pytest.approx(1.0)
 
 
-def _ema_deltas_with_rank_clocks(rank, world_size, data_path, tok_path):
-    """Trainer.train on `rank` with its own fake clock (rank 1 runs 10% slower and stalls 0.5 s at step 5)."""
-    cfg, _ = tg.Hyperparameters.from_env(tiny_env(Path(data_path), Path(tok_path), MAX_WALLCLOCK_SECONDS=3.0,
-                                                  ITERATIONS=100000, WARMDOWN_ITERS=5, TRAIN_LOG_EVERY=0))
+def _rank_trainer(rank: int, world_size: int, data_path: str, tok_path: str, step_ms, **settings):
+    """A Trainer on `rank` (in a spawn worker) whose steps only move its own fake clock by step_ms(step) and record
+    (step, lr scale) in the returned list."""
+    cfg, _ = tg.Hyperparameters.from_env(tiny_env(Path(data_path), Path(tok_path), TRAIN_LOG_EVERY=0, **settings))
     rt = tg.Runtime(rank, world_size, rank)
-    clock, out = FakeClock(), []
+    clock, steps = FakeClock(), []
     tg.now_ms = clock
     tr = tg.Trainer(cfg, rt, tg.build_model(cfg, rt), None, tg.Logger(cfg.run_id, False))
 
     def fake_step(step, lr_scale):
-        out.append(("lr", step, lr_scale))
-        clock.ms += (100.0 if rank == 0 else 110.0) + (500.0 if rank == 1 and step == 5 else 0.0)
+        steps.append(("lr", step, lr_scale))
+        clock.ms += step_ms(step)
         return torch.tensor(1.0)
     tr.step = fake_step
+    return tr, steps
+
+
+def _ema_deltas_with_rank_clocks(rank, world_size, data_path, tok_path):
+    """Trainer.train on `rank` with its own fake clock (rank 1 runs 10% slower and stalls 0.5 s at step 5)."""
+    tr, out = _rank_trainer(rank, world_size, data_path, tok_path, lambda step: (100.0 if rank == 0 else 110.0) + (
+        500.0 if rank == 1 and step == 5 else 0.0), MAX_WALLCLOCK_SECONDS=3.0, ITERATIONS=100000, WARMDOWN_ITERS=5)
     tr.train(scorer=None, ema=types.SimpleNamespace(update=lambda dp: out.append(("ema", dp))))
     return out
 
@@ -333,17 +340,9 @@ def test_gptq_reserve_comes_off_the_training_cap(dataset, tokenizer_path, monkey
 
 def _checkpoint_steps_with_rank_clocks(rank, world_size, data_path, tok_path):
     """Trainer.train on `rank` with its own fake clock (rank 1 runs 10% slower) and CHECKPOINT_EVERY=0.25 s."""
-    cfg, _ = tg.Hyperparameters.from_env(tiny_env(Path(data_path), Path(tok_path), MAX_WALLCLOCK_SECONDS=0,
-                                                  ITERATIONS=40, CHECKPOINT_EVERY=0.25, TRAIN_LOG_EVERY=0))
-    rt = tg.Runtime(rank, world_size, rank)
-    clock, saved = FakeClock(), []
-    tg.now_ms = clock
-    tr = tg.Trainer(cfg, rt, tg.build_model(cfg, rt), None, tg.Logger(cfg.run_id, False))
-
-    def fake_step(step, lr_scale):
-        clock.ms += 100.0 if rank == 0 else 110.0
-        return torch.tensor(1.0)
-    tr.step = fake_step
+    tr, _ = _rank_trainer(rank, world_size, data_path, tok_path, lambda step: 100.0 if rank == 0 else 110.0,
+                          MAX_WALLCLOCK_SECONDS=0, ITERATIONS=40, CHECKPOINT_EVERY=0.25)
+    saved = []
     tr.save_checkpoint = lambda ema, clock_: saved.append((clock_["step"], clock_["train_ms"]))
     tr.train(scorer=None, ema=None)
     return saved
