@@ -246,13 +246,11 @@ class Hyperparameters:
 def _parse_value(key: str, raw: str, typ: str, choices: tuple[str, ...] | None):
     try:
         if typ == "bool":
-            if raw.strip().lower() not in ("0", "1", "true", "false"):
-                raise ValueError
-            return raw.strip().lower() in ("1", "true")
+            return {"0": False, "1": True, "false": False, "true": True}[raw.strip().lower()]
         value = {"int": int, "float": float, "str": str}[typ](raw.strip() if typ != "str" else raw)
         if typ == "float" and not math.isfinite(value):
             raise ValueError
-    except ValueError:
+    except (KeyError, ValueError):
         raise ValueError(f"malformed value for {key}: {raw!r} (expected {typ})") from None
     if choices is not None and value not in choices:
         raise ValueError(f"malformed value for {key}: {raw!r} (expected one of {', '.join(choices)})")
@@ -295,12 +293,6 @@ MATRICES = {name: (bank, slot) for bank, names in BANKS.items() for slot, name i
 ZERO_INIT = ("attn.o", "mlp.down")  # the reference's init: these start at zero, the others orthogonal
 # The embedding tables: AdamW's token group, bf16 parameters on CUDA (as in the reference), int8 when exported.
 EMBED_TABLES = ("tok_emb.weight", "bigram.embed.weight", "ve.embed.weight")
-
-
-def matrix_shapes(cfg: Hyperparameters) -> dict[str, tuple[int, int]]:
-    D, kv, mlp = cfg.model_dim, cfg.num_kv_heads * cfg.head_dim, int(cfg.mlp_mult * cfg.model_dim)
-    return {"attn.q": (D, D), "attn.o": (D, D), "attn.k": (kv, D), "attn.v": (kv, D), "mlp.up": (mlp, D),
-            "mlp.down": (D, mlp)}
 
 
 def layer_matrix(banks: dict[str, Tensor], name: str, i: int, num_layers: int) -> Tensor:
@@ -374,11 +366,9 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
     if cuda:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        b = torch.backends.cuda  # one SDPA kernel, so a silent fallback cannot change speed
-        b.enable_flash_sdp(attn == "flash")
-        b.enable_cudnn_sdp(attn == "cudnn")
-        b.enable_mem_efficient_sdp(False)
-        b.enable_math_sdp(attn == "math")
+        # one SDPA kernel, so a silent fallback cannot change speed
+        for kind in ("flash", "cudnn", "mem_efficient", "math"):
+            getattr(torch.backends.cuda, f"enable_{kind}_sdp")(attn == kind)
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl", device_id=device) if cuda else dist.init_process_group("gloo")
     return rt
@@ -413,9 +403,7 @@ def _distributed() -> bool:
 
 def all_reduce_sum_(t: Tensor, async_op: bool = False):
     """Sum over ranks in place (identity on one rank). ReduceOp.AVG is avoided: gloo lacks it."""
-    if _distributed():
-        return dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=async_op)
-    return None
+    return dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=async_op) if _distributed() else None
 
 
 class FlatTensors:
@@ -442,11 +430,6 @@ class FlatTensors:
         for dtype in {t.dtype for t in self.tensors}:
             pairs = [(t, v) for t, v in zip(self.tensors, views) if t.dtype == dtype]
             torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])
-
-
-def sq_norm(tensors: list[Tensor]) -> Tensor:
-    """Sum of squares of a list of tensors in fp32, in one multi-tensor launch."""
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
 
 
 def all_reduce_max(x: float | list[float], device: torch.device):
@@ -610,7 +593,7 @@ class ParallelMuon(torch.optim.Optimizer):
                 work.wait()
         if self.world_size > 1:
             torch._foreach_div_(shards, float(self.world_size))
-        return sq_norm(shards)
+        return torch.stack(torch._foreach_norm(shards, 2, dtype=torch.float32)).square().sum()  # one launch
 
     def scale_grads_(self, coef: Tensor) -> None:
         torch._foreach_mul_([shard for _, shard, _ in self.pending], coef)
@@ -800,10 +783,6 @@ def shard_files(data_path: str, split: str) -> list[str]:
     return files
 
 
-def load_tokens(files: list[str], vocab_size: int) -> Tensor:
-    return torch.from_numpy(np.concatenate([np.asarray(open_shard(f, vocab_size)) for f in files]).astype(np.int64))
-
-
 class CoprimeSampler:
     """Sequence-level sampling over all train shards (later records' multi-shard loader): the token
     array is cut into n slots of TRAIN_SEQ_LEN (+1 target), and the k-th sequence drawn is slot
@@ -973,19 +952,14 @@ def rope_tables(seq_len: int, rope_dims: int, base: float) -> tuple[Tensor, Tens
     return freqs.cos(), freqs.sin()
 
 
-def apply_rope(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor) -> Tensor:
-    """Rotate the first 2F channels of each head (half-split pairs); the rest pass through."""
-    T, half = x_BTHD.size(1), cos_TF.size(1)
-    if half == 0:
-        return x_BTHD
-    cos, sin = (t[:T, None, :].to(x_BTHD.dtype) for t in (cos_TF, sin_TF))
-    x1, x2, rest = x_BTHD[..., :half], x_BTHD[..., half:2 * half], x_BTHD[..., 2 * half:]
-    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, rest), dim=-1)
-
-
 def qk_norm_rope_reference(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_H: Tensor | None) -> Tensor:
-    """RMSNorm over each head, partial RoPE, per-head gain: the PyTorch ops the Triton kernel fuses."""
-    y = apply_rope(rms_norm(x_BTHD), cos_TF, sin_TF)
+    """RMSNorm over each head, partial RoPE (the first 2F channels rotated as half-split pairs, the rest passed
+    through), per-head gain: the PyTorch ops the Triton kernel fuses."""
+    y, T, half = rms_norm(x_BTHD), x_BTHD.size(1), cos_TF.size(1)
+    if half > 0:
+        cos, sin = (t[:T, None, :].to(y.dtype) for t in (cos_TF, sin_TF))
+        y1, y2, rest = y[..., :half], y[..., half:2 * half], y[..., 2 * half:]
+        y = torch.cat((y1 * cos + y2 * sin, y2 * cos - y1 * sin, rest), dim=-1)
     return y if gain_H is None else y * gain_H.to(y.dtype)[:, None]
 
 def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str) -> Tensor:
@@ -1057,10 +1031,6 @@ def fake_quant_int6(w: Tensor, floor: float) -> Tensor:
     return w + (q - w).detach()
 
 
-def orthogonal_(w: Tensor) -> Tensor:
-    return nn.init.orthogonal_(w, gain=1.0)
-
-
 class Block(nn.Module):
     """Per-layer control tensors; the layer's matrices live in the model's banks."""
 
@@ -1080,9 +1050,10 @@ class GPT(nn.Module):
         self.cfg, self.attn_backend, self.ops, self.qat_enabled = cfg, attn_backend, ops, False
         self.hessians: dict | None = None  # GPTQ calibration: {(matrix, layer): sum of X^T X of its input}
         self.tok_emb = nn.Embedding(V, D)
-        shapes = matrix_shapes(cfg)
+        mlp = int(cfg.mlp_mult * D)
+        shapes = {"qo_bank": (D, D), "kv_bank": (kv_dim, D), "mlp_up_bank": (mlp, D), "mlp_down_bank": (D, mlp)}
         for bank, names in BANKS.items():
-            setattr(self, bank, nn.Parameter(torch.empty(len(names) * L, *shapes[names[0]])))
+            setattr(self, bank, nn.Parameter(torch.empty(len(names) * L, *shapes[bank])))
         self.blocks = nn.ModuleList(Block(D, cfg.num_heads, cfg.qk_gain_init) for _ in range(L))
         rope = rope_tables(max(cfg.train_seq_len, cfg.eval_seq_len), cfg.rope_dims, cfg.rope_base)
         self.register_buffer("rope_cos", rope[0], persistent=False)  # not in state_dict or the artifact
@@ -1114,7 +1085,7 @@ class GPT(nn.Module):
         for i in range(L):  # layer by layer, in MATRICES order: the reference's random stream
             for name in MATRICES:
                 w = layer_matrix(banks, name, i, L)
-                w.zero_() if name in ZERO_INIT else orthogonal_(w)
+                w.zero_() if name in ZERO_INIT else nn.init.orthogonal_(w)
         if cfg.bigram_vocab_size > 0:
             self.bigram.embed.weight.zero_()
             self._init_linear(self.bigram.proj.weight)
@@ -1127,7 +1098,7 @@ class GPT(nn.Module):
     @staticmethod
     def _init_linear(w: Tensor) -> None:
         if min(w.shape) >= 64:
-            orthogonal_(w)  # the reference's rule: every other linear >= 64x64 is orthogonal
+            nn.init.orthogonal_(w)  # the reference's rule: every other linear >= 64x64 is orthogonal
         else:
             nn.init.normal_(w, std=w.shape[1] ** -0.5)
 
@@ -2479,9 +2450,7 @@ class Trainer:
 
 
 def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[str], code: str) -> None:
-    log("==== source: train_gpt.py ====", console=False)
-    log(code, console=False)
-    log("==== end source ====", console=False)
+    log(f"==== source: train_gpt.py ====\n{code}\n==== end source ====", console=False)
     log(f"versions python:{platform.python_version()} torch:{torch.__version__} numpy:{np.__version__} "
         f"platform:{platform.platform()}")
     if rt.device.type == "cuda":
@@ -2550,7 +2519,8 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
         raise FileNotFoundError(f"TOKENIZER_PATH {cfg.tokenizer_path} does not exist: {GET_DATA}")
     luts = build_byte_luts(spm.SentencePieceProcessor(model_file=cfg.tokenizer_path), cfg.vocab_size, rt.device)
     val_files = shard_files(cfg.data_path, "val")
-    val_tokens = load_tokens(val_files, cfg.vocab_size)
+    val_tokens = torch.from_numpy(np.concatenate([np.asarray(open_shard(f, cfg.vocab_size)) for f in val_files])
+                                  .astype(np.int64))
     scorer = Scorer(cfg, rt, val_tokens, luts)
     log(f"val_tokens:{val_tokens.numel()} scored_targets:{val_tokens.numel() - 1} eval_batch_seqs:{scorer.batch_seqs}")
     sample = is_sample_shard(val_files[0])
