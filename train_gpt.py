@@ -417,7 +417,6 @@ class FlatTensors:
         self.work = all_reduce_sum_(self.flat, async_op=True)
 
     def mean(self) -> Tensor:
-        """Wait for the all-reduce and average over ranks; returns the buffer."""
         if self.work is not None:
             self.work.wait()
             self.flat.div_(dist.get_world_size())
@@ -529,8 +528,7 @@ def newton_schulz_stacked(Gs: list[Tensor], steps: int, dtype: torch.dtype) -> l
 
 
 def nesterov_momentum_(bufs: list[Tensor], grads: list[Tensor], momentum: float) -> list[Tensor]:
-    """buf = mu * buf + g in place, then the Nesterov direction g + mu * buf; one launch each over
-    all banks."""
+    """buf = mu * buf + g in place, then the Nesterov direction g + mu * buf; one launch each over all banks."""
     torch._foreach_mul_(bufs, momentum)
     torch._foreach_add_(bufs, grads)
     return list(torch._foreach_add(grads, bufs, alpha=momentum))
@@ -588,10 +586,9 @@ class ParallelMuon(torch.optim.Optimizer):
     def finish_reduce_scatter(self) -> Tensor:
         """Wait for the shards, average them; returns this rank's share of the squared grad norm."""
         shards = [shard for _, shard, _ in self.pending]
-        for _, _, work in self.pending:
-            if work is not None:
-                work.wait()
         if self.world_size > 1:
+            for _, _, work in self.pending:
+                work.wait()
             torch._foreach_div_(shards, float(self.world_size))
         return torch.stack(torch._foreach_norm(shards, 2, dtype=torch.float32)).square().sum()  # one launch
 
@@ -666,11 +663,9 @@ class Optimizers:
         groups = group_parameters(model)
         self.keep_grads = False  # zero .grad instead of freeing it (set by the Trainer while CUDA graphs use it)
         self.rank, self.world_size = rt.rank, rt.world_size
-        comm = cfg.muon_reduce_dtype
-        comm_dtype = torch.bfloat16 if comm == "bf16" or (comm == "auto" and rt.device.type == "cuda") \
-            else torch.float32
-        self.muon = ParallelMuon([p for _, p in groups["muon"]], cfg.matrix_lr, cfg.muon_momentum,
-                                 cfg.muon_wd, cfg.muon_backend_steps, comm_dtype, rt.world_size)
+        bf16 = cfg.muon_reduce_dtype == "bf16" or (cfg.muon_reduce_dtype == "auto" and rt.device.type == "cuda")
+        self.muon = ParallelMuon([p for _, p in groups["muon"]], cfg.matrix_lr, cfg.muon_momentum, cfg.muon_wd,
+                                 cfg.muon_backend_steps, torch.bfloat16 if bf16 else torch.float32, rt.world_size)
         table_lr = cfg.tied_embed_lr if cfg.tie_embeddings else cfg.embed_lr
         adam_groups = [dict(params=[p for _, p in groups[g]], lr=lr, weight_decay=wd, base_lr=lr)
                        for g, lr, wd in (("token", table_lr, cfg.adam_wd), ("scalar", cfg.scalar_lr, cfg.adam_wd),
@@ -840,10 +835,11 @@ class SequentialSampler:
             self.tokens = open_shard(self.files[s["file_idx"]], self.vocab_size)
         self.file_idx, self.pos = s["file_idx"], s["pos"]
 
-    def take(self, n: int) -> np.ndarray:
-        """n + 1 tokens (inputs and shifted targets); the stream advances by n, so the last token
-        is read again as the first of the next batch."""
-        parts, need = [], n + 1
+    def take_sequences(self, count: int) -> np.ndarray:
+        """count * T + 1 tokens (inputs and shifted targets) as count sequences of T + 1; the stream advances
+        by count * T, so the last token is read again as the first of the next batch."""
+        T = self.seq_len
+        parts, need = [], count * T + 1
         while need:
             if self.pos >= len(self.tokens):
                 self.file_idx, self.pos = (self.file_idx + 1) % len(self.files), 0
@@ -853,11 +849,7 @@ class SequentialSampler:
             parts.append(np.asarray(self.tokens[self.pos: self.pos + k]))
             self.pos, need = self.pos + k, need - k
         self.pos -= 1  # the peeked token was read from the current shard, so pos >= 1 here
-        return np.concatenate(parts)
-
-    def take_sequences(self, count: int) -> np.ndarray:
-        chunk, T = self.take(count * self.seq_len), self.seq_len
-        return np.lib.stride_tricks.sliding_window_view(chunk, T + 1)[::T]
+        return np.lib.stride_tricks.sliding_window_view(np.concatenate(parts), T + 1)[::T]
 
 
 class TrainLoader:
@@ -987,8 +979,7 @@ def softcap(logits: Tensor, cap: float) -> Tensor:
 
 
 def cross_entropy(logits_NV: Tensor, targets_N: Tensor, reduction: str = "mean") -> Tensor:
-    """The torch path's loss, for training, scoring and TTT alike: cross entropy in fp32 of the (capped)
-    logits."""
+    """The torch path's loss, for training, scoring and TTT alike: cross entropy in fp32 of the (capped) logits."""
     return F.cross_entropy(logits_NV.float(), targets_N, reduction=reduction)
 
 
@@ -1096,11 +1087,8 @@ class GPT(nn.Module):
             self.lm_head.weight.zero_()
 
     @staticmethod
-    def _init_linear(w: Tensor) -> None:
-        if min(w.shape) >= 64:
-            nn.init.orthogonal_(w)  # the reference's rule: every other linear >= 64x64 is orthogonal
-        else:
-            nn.init.normal_(w, std=w.shape[1] ** -0.5)
+    def _init_linear(w: Tensor) -> None:  # the reference's rule: every other linear >= 64x64 is orthogonal
+        nn.init.orthogonal_(w) if min(w.shape) >= 64 else nn.init.normal_(w, std=w.shape[1] ** -0.5)
 
     def bank_weights(self, dtype: torch.dtype) -> dict[str, Tensor]:
         banks = {bank: getattr(self, bank) for bank in BANKS}
@@ -1185,8 +1173,7 @@ class GPT(nn.Module):
     def logits(self, ids_BT: Tensor) -> Tensor:
         return softcap(self.raw_logits(ids_BT), self.cfg.logit_softcap)
 
-    def forward(self, ids_BT: Tensor, targets_BT: Tensor) -> Tensor:
-        """Mean training loss."""
+    def forward(self, ids_BT: Tensor, targets_BT: Tensor) -> Tensor:  # the mean training loss
         return self.ops.loss(self.raw_logits(ids_BT).flatten(0, 1), targets_BT.flatten(), self.cfg.logit_softcap)
 
 
@@ -1322,15 +1309,11 @@ def qk_norm_rope_backward(dy_BTHD: Tensor, x_BTHD: Tensor, cos_TF: Tensor, sin_T
     grid, n_rows, stride, T, _, meta = _qk_launch_args(x_BTHD, cos_TF, sin_TF, gain_H)
     dy = dy_BTHD.contiguous()
     dx = torch.empty(x_BTHD.shape, dtype=x_BTHD.dtype, device=x_BTHD.device)
-    H = x_BTHD.size(2)
-    if gain_H is None:
-        torch.library.wrap_triton(_qk_norm_rope_bwd)[grid](dy, x_BTHD, cos_TF, sin_TF, x_BTHD, dx, x_BTHD, n_rows,
-                                                           stride, T, HAS_GAIN=False, **meta)
-        return dx, torch.zeros(0, dtype=torch.float32, device=x_BTHD.device)
-    dg_rows = torch.empty(n_rows, dtype=torch.float32, device=x_BTHD.device)
-    torch.library.wrap_triton(_qk_norm_rope_bwd)[grid](dy, x_BTHD, cos_TF, sin_TF, gain_H, dx, dg_rows, n_rows,
-                                                       stride, T, HAS_GAIN=True, **meta)
-    return dx, dg_rows.view(-1, H).sum(0)
+    gain = gain_H is not None
+    g, dg_rows = (gain_H, torch.empty(n_rows, dtype=torch.float32, device=x_BTHD.device)) if gain else (x_BTHD, x_BTHD)
+    torch.library.wrap_triton(_qk_norm_rope_bwd)[grid](dy, x_BTHD, cos_TF, sin_TF, g, dx, dg_rows, n_rows, stride, T,
+                                                       HAS_GAIN=gain, **meta)
+    return dx, dg_rows.view(-1, x_BTHD.size(2)).sum(0) if gain else x_BTHD.new_zeros(0, dtype=torch.float32)
 
 
 def _save_inputs(ctx, inputs, output):
