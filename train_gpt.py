@@ -67,16 +67,10 @@ DROPPED_PREFIXES = ("LAWA_", "MTP_")
 FOREIGN_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP_", "MASTER_", "LOCAL_", "GROUP_", "ROLE_",
                     "TRITON", "PYTHON", "HF_", "MKL", "KMP_", "GLOO", "NVIDIA", "CUBLAS", "CUDNN")
 GENERIC_WORDS = {"MAX", "NUM", "RUN", "DATA", "MODEL", "HEAD", "DEVICE", "LOCAL", "WORLD", "RANK"}
-CHOICES = {
-    "compressor": ("auto", "zstd", "lzma", "fast", "rans"),
-    "compile_enabled": ("auto", "0", "1"),
-    "attn_backend": ("auto", "fa3", "flash", "cudnn", "math"),
-    "muon_reduce_dtype": ("auto", "bf16", "fp32"),
-    "device": ("auto", "cuda", "cpu"),
-    "train_sampling": ("sequential", "coprime"),
-    "kernels": ("auto", "triton", "torch"),
-    "cuda_graphs": ("auto", "0", "1"),
-}
+CHOICES = {"compressor": ("auto", "zstd", "lzma", "fast", "rans"), "compile_enabled": ("auto", "0", "1"),
+           "attn_backend": ("auto", "fa3", "flash", "cudnn", "math"), "muon_reduce_dtype": ("auto", "bf16", "fp32"),
+           "device": ("auto", "cuda", "cpu"), "train_sampling": ("sequential", "coprime"),
+           "kernels": ("auto", "triton", "torch"), "cuda_graphs": ("auto", "0", "1")}
 
 
 # Value ranges, checked before anything runs (a zero head count or a negative learning rate is a typo, not a run).
@@ -378,8 +372,8 @@ def configure_inductor() -> None:
     that reads the same rows) only with multi-stage pipelining, unless TORCHINDUCTOR_MIX_ORDER_REDUCTION is
     set; with TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES=0 they are off. Torch 2.11, H200, record
     step: single-stage they cost 20 ms; multi-stage they saved 1.8 ms against off, +288 MiB."""
-    import torch._inductor.config as inductor_config
-    c = inductor_config.triton
+    import torch._inductor.config
+    c = torch._inductor.config.triton
     if "TORCHINDUCTOR_MIX_ORDER_REDUCTION" not in os.environ and hasattr(c, "mix_order_reduction"):
         multi = hasattr(c, "mix_order_reduction_allow_multi_stages")
         if multi and "TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES" not in os.environ:
@@ -454,10 +448,9 @@ def now_ms(device: torch.device) -> float:
 
 
 def claim_outputs(cfg: Hyperparameters) -> Hyperparameters:
-    """One run, one log: a RUN_ID whose logs/<RUN_ID>.txt exists gets the first free suffix (_2, _3, ...), and
-    an empty ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz. Every rank decides before the process group's
-    rendezvous, so before rank 0 creates the log: all agree. The output folders are checked now, not when a
-    finished run writes into them."""
+    """One run, one log: a RUN_ID whose logs/<RUN_ID>.txt exists gets the first free suffix (_2, _3, ...), and an empty
+    ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz. Every rank decides before the process group's rendezvous, so before
+    rank 0 creates the log: all agree. The output folders are checked now, not when a finished run writes into them."""
     logs, run_id, n = Path("logs"), cfg.run_id, 1
     logs.mkdir(exist_ok=True)
     while (logs / f"{run_id}.txt").exists():
@@ -477,9 +470,7 @@ class Logger:
 
     def __init__(self, run_id: str, enabled: bool):
         self.enabled = enabled
-        self.path = Path("logs") / f"{run_id}.txt"
-        if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path("logs") / f"{run_id}.txt"  # claim_outputs made the folder
 
     def __call__(self, msg: str, console: bool = True) -> None:
         if not self.enabled:
@@ -755,8 +746,7 @@ def shard_token_count(path: str | Path) -> int:
 
 def open_shard(path: str | Path, vocab_size: int) -> np.ndarray:
     """Memory-map one shard's tokens after checking header, size and token range."""
-    n = shard_token_count(path)
-    tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,))
+    tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(shard_token_count(path),))
     top = int(tokens.max())
     if top >= vocab_size:
         raise ShardError(f"{path}: token id {top} >= VOCAB_SIZE {vocab_size}")
@@ -778,12 +768,11 @@ def shard_files(data_path: str, split: str) -> list[str]:
 
 
 class CoprimeSampler:
-    """Sequence-level sampling over all train shards (later records' multi-shard loader): the token
-    array is cut into n slots of TRAIN_SEQ_LEN (+1 target), and the k-th sequence drawn is slot
-    (k * stride) mod n with stride coprime to n, so every slot is visited once per cycle of n and the
-    order mixes shards. Deterministic: the same on every rank and for every world size. On the 1,500-step
-    proxy benchmark (2.5 passes over 80M tokens) it scored 0.0131 val_bpb better than sequential, 2 seeds
-    each (1.41475 vs 1.42781, std 0.0010); artifacts came out 0.1-0.2 MB larger."""
+    """Sequence-level sampling over all train shards (later records' multi-shard loader): the token array is cut into n
+    slots of TRAIN_SEQ_LEN (+1 target), and the k-th sequence drawn is slot (k * stride) mod n with stride coprime to n,
+    so every slot is visited once per cycle of n and the order mixes shards. Deterministic: the same on every rank and
+    for every world size. On the 1,500-step proxy benchmark (2.5 passes over 80M tokens) it scored 0.0131 val_bpb better
+    than sequential, 2 seeds each (1.41475 vs 1.42781, std 0.0010); artifacts came out 0.1-0.2 MB larger."""
 
     def __init__(self, files: list[str], vocab_size: int, seq_len: int):
         self.shards = [open_shard(f, vocab_size) for f in files]
@@ -852,13 +841,12 @@ class SequentialSampler:
 
 
 class TrainLoader:
-    """Global batch = TRAIN_BATCH_TOKENS / TRAIN_SEQ_LEN sequences (TRAIN_SAMPLING order); micro-step
-    m of rank r takes sequences [(m * world + r) * s, ...+ s). The set of sequences per step is
-    therefore independent of world size and accumulation split (the reference's per-rank spans were
-    not). Prefetch one step ahead: next_batch() hands out the batch prefetch() queued (or loads it
-    then), prefetch() assembles the next one on the host into one of two pinned buffers and copies it on
-    a side stream while the GPU works. The host work (3-4 ms a record step) runs in the caller's thread,
-    hidden by the GPU's queue (a worker thread stalled the host 55 ms a step)."""
+    """Global batch = TRAIN_BATCH_TOKENS / TRAIN_SEQ_LEN sequences (TRAIN_SAMPLING order); micro-step m of rank r takes
+    sequences [(m * world + r) * s, ...+ s). The set of sequences per step is therefore independent of world size and
+    accumulation split (the reference's per-rank spans were not). Prefetch one step ahead: next_batch() hands out the
+    batch prefetch() queued (or loads it then), prefetch() assembles the next one on the host into one of two pinned
+    buffers and copies it on a side stream while the GPU works. The host work (3-4 ms a record step) runs in the
+    caller's thread, hidden by the GPU's queue (a worker thread stalled the host 55 ms a step)."""
 
     def __init__(self, files: list[str], cfg: Hyperparameters, rt: Runtime):
         sampler = CoprimeSampler if cfg.train_sampling == "coprime" else SequentialSampler
@@ -1114,8 +1102,7 @@ class GPT(nn.Module):
         cfg, L = self.cfg, self.cfg.num_layers
         x = self.embed(ids_BT)
         x0, skips = x, []
-        dtype = torch.bfloat16 if torch.is_autocast_enabled(x.device.type) else x.dtype
-        banks = self.bank_weights(dtype)
+        banks = self.bank_weights(torch.bfloat16 if torch.is_autocast_enabled(x.device.type) else x.dtype)
         ve_BTK = None
         if cfg.ve_layer_list:
             ve_BTK = self.ve.proj(self.ve.embed(ids_BT))
@@ -1163,8 +1150,7 @@ class GPT(nn.Module):
         return x_BTC
 
     def raw_logits(self, ids_BT: Tensor) -> Tensor:
-        w = self.tok_emb.weight if self.cfg.tie_embeddings else self.lm_head.weight
-        return F.linear(self.hidden(ids_BT), w)
+        return F.linear(self.hidden(ids_BT), self.tok_emb.weight if self.cfg.tie_embeddings else self.lm_head.weight)
 
     def logits(self, ids_BT: Tensor) -> Tensor:
         return softcap(self.raw_logits(ids_BT), self.cfg.logit_softcap)
@@ -1474,8 +1460,7 @@ def _ce_launch_args(logits_NV: Tensor, targets_N: Tensor, cap: float) -> tuple:
         raise ValueError(f"softcap_cross_entropy: {V} logits per row, cap {cap}: needs vocab <= {CE_MAX_VOCAB} "
                          "and cap >= 0 (KERNELS=torch has no such limits)")
     BV = triton.next_power_of_2(V)
-    warps = (min(8, max(1, BV // 1024)), min(8, max(1, BV // 256)))
-    return (N,), dict(V=V, BV=BV, CAP=float(cap)), warps
+    return (N,), dict(V=V, BV=BV, CAP=float(cap)), (min(8, max(1, BV // 1024)), min(8, max(1, BV // 256)))
 
 
 @torch.library.triton_op("pgolf::softcap_ce", mutates_args=())
@@ -1525,10 +1510,9 @@ def build_model(cfg: Hyperparameters, rt: Runtime) -> GPT:
     """The one constructor for training and scoring models. Banks, linears and control tensors are
     fp32; on CUDA the embedding tables are bf16 parameters as in the reference."""
     model = GPT(cfg, rt.attn_backend, TRITON_OPS if rt.kernels == "triton" else TORCH_OPS).to(rt.device)
-    if rt.device.type == "cuda":
-        for name, p in model.named_parameters():
-            if name in EMBED_TABLES:
-                p.data = p.data.bfloat16()
+    for name, p in model.named_parameters():
+        if name in EMBED_TABLES and rt.device.type == "cuda":
+            p.data = p.data.bfloat16()
     return model
 
 
@@ -1615,8 +1599,7 @@ class Scorer:
         offsets [lo_B, hi_B) of each row (reads past the last token are clamped and masked out)."""
         pos = torch.arange(length, device=starts_B.device)
         idx = (starts_B[:, None] + pos).clamp(max=self.tokens.numel() - 2)
-        mask = (pos >= lo_B[:, None]) & (pos < hi_B[:, None])
-        return self.tokens[idx], self.tokens[idx + 1], mask
+        return self.tokens[idx], self.tokens[idx + 1], (pos >= lo_B[:, None]) & (pos < hi_B[:, None])
 
     @torch.inference_mode()
     def score_windows(self, fn, wins: Tensor) -> Tensor:
