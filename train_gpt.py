@@ -1985,26 +1985,55 @@ def rans_decode(states: np.ndarray, counts: np.ndarray, words: np.ndarray, tid: 
     return out.reshape(-1)[: tid.size]
 
 
-def _tensor_layout(payload: bytes) -> tuple[int, list[tuple[bool, int]]]:
-    """Where the payload's tensor data starts, and each tensor's (is int8 codes, bytes) in order."""
+def _tensor_layout(payload: bytes) -> tuple[int, list[tuple[bool, int, list[int]]]]:
+    """Where the payload's tensor data starts, and each tensor's (is int8 codes, bytes, shape) in order."""
     (hlen,) = struct.unpack("<I", payload[4:8])
-    return 8 + hlen, [(dtype == "int8", _nbytes(dtype, shape)) for _, dtype, shape in
+    return 8 + hlen, [(dtype == "int8", _nbytes(dtype, shape), shape) for _, dtype, shape in
                       json.loads(payload[8: 8 + hlen])["tensors"]]
 
 
+# A code's spread is about (its row's RMS) x (its column's RMS) / (the matrix's RMS): rows differ by scale, columns
+# by their input's size. Each code tensor stores both RMS as quarter-octave logs (one int8 per row and column),
+# and a code's table is chosen by that predicted spread, on a grid shared by all tensors. On the PQB artifact
+# (seed 1337) this coded 670 KB smaller than one order-0 table per tensor (14,797,155 B vs 15,467,919; xz:
+# 15,683,809); an eighth of an octave gained 13 KB more, the previous code's size in the row 6 KB.
+RANS_TABLES, RANS_TABLE_OFFSET = 64, 24  # table t: predicted code RMS about 2^((t - 24) / 4)
+
+
+def rans_scale_logs(codes_RC: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows' and columns' code RMS as rounded quarter-octave logs (int8), the side data of the context."""
+    ms = codes_RC.astype(np.float64) ** 2
+    q = lambda m: np.clip(np.round(2 * np.log2(m + 1e-3)), -127, 127).astype(np.int8)  # 4 log2 sqrt(m)
+    return q(ms.mean(1)), q(ms.mean(0))
+
+
+def rans_contexts(row_log: np.ndarray, col_log: np.ndarray) -> np.ndarray:
+    """Every code's table (row-major), from the stored logs alone: in integers, the same on every machine."""
+    mean = int(row_log.astype(np.int64).sum()) // len(row_log)
+    ctx = row_log[:, None].astype(np.int64) + col_log[None, :] - mean + RANS_TABLE_OFFSET
+    return np.clip(ctx, 0, RANS_TABLES - 1).reshape(-1)
+
+
 def rans_compress(payload: bytes) -> bytes:
-    """COMPRESSOR=rans: the int8 tensors (every int6 and int8 code) rANS-coded with one order-0 table per tensor;
-    the header, scales and fp16 tensors, the tables and the streams' states xz-coded beside them."""
+    """COMPRESSOR=rans: the int8 tensors (every int6 and int8 code) rANS-coded, each code with the table of its
+    predicted spread (rans_contexts); the header, scales and fp16 tensors, the row and column logs, the tables and
+    the streams' states xz-coded beside them."""
     start, layout = _tensor_layout(payload)
-    codes, rest, at = [], [], start
-    for is_code, n in layout:
-        (codes if is_code else rest).append(payload[at: at + n])
-        at += n
+    codes, rest, logs, ctx, at = [], [], [], [], start
+    for is_code, n, shape in layout:
+        chunk, at = payload[at: at + n], at + n
+        if is_code:
+            row_log, col_log = rans_scale_logs(np.frombuffer(chunk, np.int8).reshape(shape[0], -1))
+            codes.append(chunk)
+            logs += [row_log.tobytes(), col_log.tobytes()]
+            ctx.append(rans_contexts(row_log, col_log))
+        else:
+            rest.append(chunk)
     sym = np.frombuffer(b"".join(codes), np.uint8).astype(np.int64)
-    tid = np.repeat(np.arange(len(codes)), [len(c) for c in codes])
-    freq = rans_tables(sym, tid, len(codes), 256)
+    tid = np.concatenate(ctx) if ctx else np.zeros(0, np.int64)
+    freq = rans_tables(sym, tid, RANS_TABLES, 256)
     states, counts, words = rans_encode(sym, tid, freq)
-    side = lzma.compress(payload[:start] + b"".join(rest) + freq.astype("<u2").tobytes() +
+    side = lzma.compress(payload[:start] + b"".join(rest) + b"".join(logs) + freq.astype("<u2").tobytes() +
                          states.astype("<u4").tobytes() + counts.astype("<u4").tobytes(),
                          format=lzma.FORMAT_XZ, preset=LZMA_PRESET)
     return struct.pack("<I", len(side)) + side + words.astype("<u2").tobytes()
@@ -2015,15 +2044,21 @@ def rans_decompress(body: bytes) -> bytes:
     (side_len,) = struct.unpack("<I", body[:4])
     side = lzma.decompress(body[4: 4 + side_len], format=lzma.FORMAT_XZ)
     start, layout = _tensor_layout(side)
-    k, lanes = sum(is_code for is_code, _ in layout), RANS_LANES
-    at = start + sum(n for is_code, n in layout if not is_code)  # the tables, states and counts follow the rest
-    freq = np.frombuffer(side, "<u2", k * 256, at).reshape(k, 256).astype(np.int64)
-    states = np.frombuffer(side, "<u4", lanes, at + 512 * k)
-    counts = np.frombuffer(side, "<u4", lanes, at + 512 * k + 4 * lanes)
-    tid = np.repeat(np.arange(k), [n for is_code, n in layout if is_code])
+    at = start + sum(n for is_code, n, _ in layout if not is_code)  # the logs, tables, states and counts follow
+    ctx = []
+    for is_code, n, shape in layout:
+        if is_code:
+            rows, cols = shape[0], n // shape[0]
+            row_log, col_log = np.frombuffer(side, np.int8, rows, at), np.frombuffer(side, np.int8, cols, at + rows)
+            ctx.append(rans_contexts(row_log, col_log))
+            at += rows + cols
+    freq = np.frombuffer(side, "<u2", RANS_TABLES * 256, at).reshape(RANS_TABLES, 256).astype(np.int64)
+    states = np.frombuffer(side, "<u4", RANS_LANES, at + 512 * RANS_TABLES)
+    counts = np.frombuffer(side, "<u4", RANS_LANES, at + 512 * RANS_TABLES + 4 * RANS_LANES)
+    tid = np.concatenate(ctx) if ctx else np.zeros(0, np.int64)
     sym = rans_decode(states, counts, np.frombuffer(body, "<u2", offset=4 + side_len), tid, freq).astype(np.uint8)
     pieces, rest_at, sym_at = [side[:start]], start, 0
-    for is_code, n in layout:
+    for is_code, n, _ in layout:
         pieces.append(sym[sym_at: sym_at + n].tobytes() if is_code else side[rest_at: rest_at + n])
         sym_at, rest_at = sym_at + n * is_code, rest_at + n * (not is_code)
     return b"".join(pieces)
