@@ -7,19 +7,8 @@ Seed system: PR #399 (parameter banking + Parallel Muon) on the PR #315/#414 mod
 parity details in the project's REFERENCE.md. Line budget: 1,750 lines for today's features, growing only
 with features that earn their bytes.
 
-Sections, each using only those above it:
-  Config      Hyperparameters from the environment, strictly parsed; the parameter layout (banks, tables)
-  Runtime     the "auto" choices resolved once (device, ranks, attention, kernels, compile, graphs,
-              accumulation), collectives, logging, clock
-  Optimizer   Parallel Muon for the banks, AdamW for the rest, one table of parameter groups
-  Data        challenge shards, samplers, the prefetching loader
-  Model       PyTorch ops, the quantisation grid, the GPT
-  Kernels     the same ops as Triton kernels (optional), and build_model
-  Scoring     val_bpb byte tables, sliding windows, the Scorer
-  Legal TTT   score a chunk, then train on it
-  Export      quantise, pack, compress; read back
-  Training    EMA, schedule, the step with CUDA graphs, the timed loop
-  main        orchestration
+Sections (each banner says what it holds), each using only those above it: Config, Runtime, Optimizer, Data,
+Model, Kernels (and build_model), Scoring, Legal TTT, Export, Training, main.
 """
 from __future__ import annotations
 
@@ -165,7 +154,7 @@ class Hyperparameters:
     val_loss_every: int = 4000  # plain val scoring every N steps (0 = only at the end)
     val_batch_size: int = 524288  # scoring tokens per forward over all ranks x grad-accum slots
     train_log_every: int = 500  # train_loss line every N steps (and the first 10)
-    compressor: str = "auto"  # zstd | lzma | auto (the smaller) | fast (zstd level 3, for sweeps: 0.2 s, ~13% larger) | rans (codes entropy-coded)
+    compressor: str = "auto"  # auto (smallest of rans, zstd, lzma) | rans | zstd | lzma | fast (zstd-3 for sweeps: 0.2 s)
     int6_scale_floor: float = 1 / 31  # floor on int6 row scales: coarsens tiny rows, compresses better
     matrix_clip_sigmas: float = 0.0  # bank row scale = k * std(row) / 31 (SD clip); 0 = the clip search
     gptq_calibration_batches: int = 0  # GPTQ for the banks, X^T X from this many train micro-batches per rank; 0 = off
@@ -425,7 +414,6 @@ class FlatTensors:
 
 
 def all_reduce_max(x: float | list[float], device: torch.device):
-    """Max over ranks of a float (or of each float in a list), on the host."""
     t = torch.tensor(x if isinstance(x, list) else [x], dtype=torch.float64, device=device)
     if _distributed():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -436,12 +424,10 @@ def all_reduce_max(x: float | list[float], device: torch.device):
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-
 HOST = torch.device("cpu")  # now_ms(HOST): the host clock, without waiting for the GPU
 
 
 def now_ms(device: torch.device) -> float:
-    """Host clock after the device's queue has drained."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() * 1000.0
@@ -589,8 +575,6 @@ class ParallelMuon(torch.optim.Optimizer):
     def step(self) -> None:
         group = self.param_groups[0]
         lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
-        if not self.pending:
-            return
         for p, shard, _ in self.pending:
             if "momentum" not in self.state[p]:
                 self.state[p]["momentum"] = torch.zeros_like(shard)
@@ -728,7 +712,6 @@ class ShardError(ValueError):
 
 
 def shard_token_count(path: str | Path) -> int:
-    """Token count from a shard's header, after checking the header and the file size."""
     path = Path(path)
     size = path.stat().st_size
     if size < HEADER_BYTES:
@@ -745,7 +728,6 @@ def shard_token_count(path: str | Path) -> int:
 
 
 def open_shard(path: str | Path, vocab_size: int) -> np.ndarray:
-    """Memory-map one shard's tokens after checking header, size and token range."""
     tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(shard_token_count(path),))
     top = int(tokens.max())
     if top >= vocab_size:
@@ -941,7 +923,6 @@ def qk_norm_rope_reference(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_
     return y if gain_H is None else y * gain_H.to(y.dtype)[:, None]
 
 def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str) -> Tensor:
-    """Causal GQA attention, (B,T,H,D) in and out."""
     if backend == "fa3":
         from flash_attn_interface import flash_attn_func  # FlashAttention-3 (Hopper), optional
         y = flash_attn_func(q_BTHD, k_BTKD, v_BTKD, causal=True)
@@ -953,8 +934,7 @@ def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str) -> T
 def exclusive_self_attention_reference(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
     """XSA (PR #265 lineage): remove from each head's output its component along its own token's
     normalised value vector, so attention carries context rather than the token itself."""
-    B, T, H, D = y_BTHD.shape
-    K = v_BTKD.size(2)
+    (B, T, H, D), K = y_BTHD.shape, v_BTKD.size(2)
     y = y_BTHD.reshape(B, T, K, H // K, D)
     vn = F.normalize(v_BTKD, dim=-1).unsqueeze(-2)
     return (y - (y * vn).sum(-1, keepdim=True) * vn).reshape(B, T, H, D)
@@ -1497,9 +1477,8 @@ _softcap_ce.register_autograd(_ce_backward, setup_context=_ce_setup)
 
 
 def softcap_cross_entropy(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Tensor:
-    """Per-row cross entropy (fp32) of cap * tanh(logits / cap), or of the logits when cap is 0: GPT.logits
-    and F.cross_entropy in one Triton kernel each way (CUDA, or the CPU under TRITON_INTERPRET=1). Every
-    target must be a class index (no ignore_index)."""
+    """Per-row cross entropy (fp32) of cap * tanh(logits / cap), or of the logits when cap is 0: GPT.logits and
+    F.cross_entropy in one Triton kernel each way. Every target must be a class index (no ignore_index)."""
     return _softcap_ce(logits_NV, targets_N, cap)[0]
 
 TRITON_OPS = Ops(qk_norm_rope, exclusive_self_attention, lambda logits_NV, targets_N, cap:
@@ -1699,7 +1678,6 @@ def legal_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log
 
 @torch.no_grad()
 def ttt_sync_grads(model: GPT, params: list[Tensor], frozen: list[int], num_layers: int) -> None:
-    """Average TTT gradients over ranks (one coalesced all-reduce) and zero the frozen layers' bank rows."""
     if _distributed():
         grads = FlatTensors([p.grad for p in params])
         grads.mean()
