@@ -1345,8 +1345,7 @@ XSA_ROWS_PER_PROGRAM = 16  # record shape, H200, 4 warps: 63 and 98 us per call 
 
 
 def _xsa_launch_args(y_BTHD: Tensor, v_BTKD: Tensor) -> tuple:
-    B, T, H, D = y_BTHD.shape
-    K = v_BTKD.size(2)
+    (B, T, H, D), K = y_BTHD.shape, v_BTKD.size(2)
     if v_BTKD.shape != (B, T, K, D) or H % K:
         raise ValueError(f"xsa: y {tuple(y_BTHD.shape)} and v {tuple(v_BTKD.shape)} are not (B,T,H,D), (B,T,K,D), K | H")
     _require_packed_heads(v_BTKD, "xsa (v)")
@@ -1372,8 +1371,7 @@ def exclusive_self_attention(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
 def exclusive_self_attention_backward(dout_BTHD: Tensor, y_BTHD: Tensor, v_BTKD: Tensor) -> tuple[Tensor, Tensor]:
     grid, n_rows, v_stride, meta = _xsa_launch_args(y_BTHD, v_BTKD)
     dout, y = dout_BTHD.contiguous(), y_BTHD.contiguous()
-    dy = torch.empty_like(y)
-    dv = torch.empty(v_BTKD.shape, dtype=v_BTKD.dtype, device=v_BTKD.device)
+    dy, dv = torch.empty_like(y), torch.empty(v_BTKD.shape, dtype=v_BTKD.dtype, device=v_BTKD.device)
     torch.library.wrap_triton(_xsa_bwd)[grid](dout, y, v_BTKD, dy, dv, n_rows, v_stride, **meta)
     return dy, dv
 
@@ -2242,9 +2240,7 @@ class Trainer:
     def step(self, step: int, lr_scale: float) -> Tensor:
         """One optimizer step over the global batch; returns this rank's mean micro-batch loss."""
         self.opt.set_schedule(lr_scale, muon_momentum_at(self.cfg, step))
-        loss_sum = torch.zeros((), device=self.rt.device)
-        for x, y in self.loader.next_batch():
-            loss_sum += self.fwd_bwd(x, y)
+        loss_sum = sum(self.fwd_bwd(x, y) for x, y in self.loader.next_batch())
         self.loader.prefetch()  # host work while the GPU runs the micro-batches
         with torch.profiler.record_function("optimizer"):  # tools/bench_gpu.py --profile finds its kernels by it
             self.opt.step()
@@ -2362,7 +2358,11 @@ class Trainer:
             log(f"interrupted by {signal.Signals(stopped).name} at step {step}: resume with RESUME={self.ckpt_path} "
                 "and the same settings")
             return step, train_ms, stopped
-        self.release_graphs()
+        if self.graphed:  # scoring and TTT after training need the memory the graphs' pool and gradient buffers hold
+            self.graphs.clear()
+            self.graphed = self.opt.keep_grads = False
+            self.opt.zero_grad()
+            torch.cuda.empty_cache()
         return step, train_ms, 0
 
     def eta_s(self, step: int, t_ms: float, start: tuple[int, float]) -> float:
@@ -2403,14 +2403,6 @@ class Trainer:
             write_atomic(self.ckpt_path, buf.getvalue())
             self.log(f"checkpoint step:{clock['step']} path:{self.ckpt_path} bytes:{buf.tell()} "
                      f"time:{now_ms(HOST) - t0:.0f}ms")
-
-    def release_graphs(self) -> None:
-        """Scoring and TTT after training need the memory the graphs' pool and gradient buffers hold."""
-        if self.graphed:
-            self.graphs.clear()
-            self.graphed = self.opt.keep_grads = False
-            self.opt.zero_grad()
-            torch.cuda.empty_cache()
 
     def check_finite(self, first_bad: Tensor) -> None:
         local = float(first_bad.item())
