@@ -141,9 +141,9 @@ def test_export_roundtrip_error_bounds_and_reproducible(tmp_path, method):
 def test_compressors_auto_picks_smaller_and_format_is_readable():
     cfg = tiny_cfg(**QCFG)
     payload = tg.pack_tensors(tg.quantize_state(random_model(cfg, seed=2).state_dict(), cfg), cfg)
-    blobs = {m: tg.compress(payload, m) for m in ("zstd", "lzma", "auto")}
-    assert blobs["zstd"][1] == "zstd" and blobs["lzma"][1] == "lzma"
-    sizes = {m: len(blobs[m][0]) for m in ("zstd", "lzma")}
+    blobs = {m: tg.compress(payload, m) for m in ("zstd", "lzma", "rans", "auto")}
+    assert blobs["zstd"][1] == "zstd" and blobs["lzma"][1] == "lzma" and blobs["rans"][1] == "rans"
+    sizes = {m: len(blobs[m][0]) for m in ("zstd", "lzma", "rans")}
     best = min(sizes, key=sizes.get)
     assert blobs["auto"][1] == best and len(blobs["auto"][0]) == min(sizes.values())
     assert blobs["auto"][0] == blobs[best][0]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import lzma
 import os
 import re
 import signal
@@ -59,6 +58,7 @@ def test_table_equals_what_the_logs_say(tiny_sweep):
     result = json.loads((cwd / "logs" / "t.json").read_text())
     rows = {row["variant"]: row for row in result["table"]}
     table = [line for line in r.stdout.splitlines() if line.startswith("|")]
+    tg = sw.load_script(ROOT / "train_gpt.py")
     assert table[0].startswith("| variant | runs | score | diff | p | post_ema | roundtrip | sliding |")
     for name in ("base", "lr"):
         logs = [cwd / "logs" / f"t_{name}_s{seed}.txt" for seed in (1337, 42)]
@@ -68,10 +68,10 @@ def test_table_equals_what_the_logs_say(tiny_sweep):
         total = [int(re.search(r"^Total submission size int6\+zstd: (\d+) bytes", p.read_text(), flags=re.M)[1])
                  for p in logs]
         code = [int(re.search(r"^code_bytes:(\d+)$", p.read_text(), flags=re.M)[1]) for p in logs]
-        # the xz size the runner reports: the zstd artifact's payload coded as COMPRESSOR=lzma would have
-        xz = [c + 5 + len(lzma.compress(zstandard.ZstdDecompressor().decompress(
-              (cwd / "logs" / f"t_{name}_s{seed}.int6.ptz").read_bytes()[5:]), format=lzma.FORMAT_XZ,
-              preset=6 | lzma.PRESET_EXTREME)) for c, seed in zip(code, (1337, 42))]
+        # the size the runner reports: the zstd artifact's payload coded as COMPRESSOR=auto would have
+        auto = [c + len(tg.compress(zstandard.ZstdDecompressor().decompress(
+                (cwd / "logs" / f"t_{name}_s{seed}.int6.ptz").read_bytes()[5:]), "auto")[0])
+                for c, seed in zip(code, (1337, 42))]
         row = rows[name]
         assert row["ok"] == row["runs"] == 2
         assert row["score"]["mean"] == pytest.approx(statistics.mean(sliding), abs=1e-12)  # no TTT: sliding scores
@@ -79,7 +79,7 @@ def test_table_equals_what_the_logs_say(tiny_sweep):
         assert row["post_ema"]["mean"] == pytest.approx(statistics.mean(post_ema), abs=1e-12)
         assert row["steps"]["mean"] == statistics.mean(steps) == 10
         assert row["bytes"]["mean"] == pytest.approx(statistics.mean(total))
-        assert row["bytes_lzma"]["values"] == xz and xz != total
+        assert row["bytes_auto"]["values"] == auto and auto != total
         line = next(t for t in table if t.startswith(f"| {name} |"))
         assert f"{statistics.mean(sliding):.5f} ± {statistics.stdev(sliding):.5f}" in line
         assert "legal_ttt" not in row
@@ -245,7 +245,7 @@ def test_how_a_run_ends_decides_whether_it_counts(tmp_path, lines, rc, ok, why):
     first, after = runs
     assert first.ok == ok and after.ok  # whatever happened to a run, the slot's next run still ran
     if ok:
-        assert first.metrics["score"] == 1.5 and first.metrics["bytes_lzma"] == 1000.0  # lzma run: its own size
+        assert first.metrics["score"] == 1.5 and first.metrics["bytes_auto"] == 1000.0  # auto run: its own size
         assert sw.finish_line(first).count("OVER_LIMIT") == rc
     else:
         assert why in first.error and "score" not in first.metrics

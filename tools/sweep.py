@@ -60,7 +60,7 @@ class Preset:
 
 # The proxy quality benchmark of ../shared/docs/REFERENCE.md with accumulation 1 (same math, faster), all 8
 # proxy train shards. COMPRESSOR=fast: xz took 36 s of each run, zstd-3 0.2 s (the coder is lossless; the
-# runner reports the xz size as bytes_lzma, coded on the CPU while the GPU goes on). TRAIN_LOG_EVERY=100 only
+# runner reports the default coder's size as bytes_auto, coded on the CPU while the GPU goes on). TRAIN_LOG_EVERY=100 only
 # adds points to the loss curves.
 PQB = ("TRAIN_BATCH_TOKENS=131072 WARMDOWN_ITERS=750 MUON_MOMENTUM_WARMUP_STEPS=400 VAL_LOSS_EVERY=0 "
        "EVAL_STRIDE=64 GRAD_ACCUM_STEPS=1 COMPRESSOR=fast TRAIN_LOG_EVERY=100")
@@ -236,8 +236,8 @@ class Executor:
         self.lock = threading.Lock()
         self.procs: set[subprocess.Popen] = set()
         self.stopping = False
-        self.coder = ThreadPoolExecutor(workers)  # xz releases the GIL: one core per pending artifact
-        self.recoded: dict[str, Future] = {}  # run_id -> xz size of its artifact
+        self.coder = ThreadPoolExecutor(workers)  # the coders release the GIL: one core per pending artifact
+        self.recoded: dict[str, Future] = {}  # run_id -> COMPRESSOR=auto size of its artifact
 
     def say(self, msg: str) -> None:
         with self.lock:
@@ -270,9 +270,9 @@ class Executor:
             for line in proc.stdout:
                 out.write(line)
                 t = time.monotonic() - t0
-                if line.startswith("Serialized model int6+") and not line.startswith("Serialized model int6+lzma"):
+                if line.startswith("Serialized model int6+") and run.settings.get("COMPRESSOR", "auto") != "auto":
                     # written and closed before this line: recode it while the run scores it
-                    self.recoded[run.run_id] = self.coder.submit(self.xz_size, self.cwd / run.settings["ARTIFACT_PATH"])
+                    self.recoded[run.run_id] = self.coder.submit(self.auto_size, self.cwd / run.settings["ARTIFACT_PATH"])
                 for _, marker, which in PHASES:
                     if line.startswith(marker) and (which == "last" or marker not in marks):
                         marks[marker] = t
@@ -286,17 +286,17 @@ class Executor:
         collect(run, self.cwd, out_path, timed_out=bool(timer) and run.wall_s >= self.run_timeout)
         return True
 
-    def xz_size(self, artifact: Path) -> int:
-        """The artifact's size had the run used xz (COMPRESSOR=lzma), the coder of the records."""
-        return len(self.tg.compress(self.tg.decompress(artifact.read_bytes()), "lzma")[0])
+    def auto_size(self, artifact: Path) -> int:
+        """The artifact's size had the run used the default coder (COMPRESSOR=auto), as a record would."""
+        return len(self.tg.compress(self.tg.decompress(artifact.read_bytes()), "auto")[0])
 
-    def add_xz_sizes(self, runs: list[Run]) -> None:
+    def add_auto_sizes(self, runs: list[Run]) -> None:
         for run in runs:
             if run.ok and run.run_id in self.recoded and "code_bytes" in run.metrics:
                 try:
-                    run.metrics["bytes_lzma"] = float(self.recoded[run.run_id].result() + run.metrics["code_bytes"])
+                    run.metrics["bytes_auto"] = float(self.recoded[run.run_id].result() + run.metrics["code_bytes"])
                 except Exception as e:  # noqa: BLE001  (the column stays empty for this run)
-                    print(f"sweep: warning: xz coding of {run.run_id}'s artifact failed: {e!r}", file=sys.stderr)
+                    print(f"sweep: warning: COMPRESSOR=auto coding of {run.run_id}'s artifact failed: {e!r}", file=sys.stderr)
 
     def stop(self) -> None:
         with self.lock:
@@ -356,8 +356,8 @@ def collect(run: Run, cwd: Path, out_path: Path, timed_out: bool) -> None:
         m["step_avg_ms"] = float(log.events["train_done"]["step_avg"].removesuffix("ms"))
     if log.total_bytes is not None:
         m["bytes"], m["code_bytes"] = float(log.total_bytes), float(log.code_bytes)
-        if log.compressor == "lzma":  # already the records' coder
-            m["bytes_lzma"] = m["bytes"]
+        if run.settings.get("COMPRESSOR", "auto") == "auto":  # already the default coder
+            m["bytes_auto"] = m["bytes"]
     if log.peak_mib is not None:
         m["peak_alloc_mib"], m["peak_reserved_mib"] = map(float, log.peak_mib)
     run.metrics = m
@@ -382,7 +382,7 @@ def finish_line(run: Run) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 COLUMNS = (("score", 5), *((c, 5) for c, _ in BPB_METRICS), ("steps", 1), ("step_avg_ms", 2), ("bytes", 0),
-           ("bytes_lzma", 0), ("peak_alloc_mib", 0), ("wall_s", 0))
+           ("bytes_auto", 0), ("peak_alloc_mib", 0), ("wall_s", 0))
 
 
 def summarize(runs: list[Run], variants: list[str]) -> list[dict]:
@@ -581,14 +581,14 @@ def main(argv: list[str] | None = None) -> int:
         while any(t.is_alive() for t in threads):
             for t in threads:
                 t.join(0.5)
-        ex.add_xz_sizes(runs)
+        ex.add_auto_sizes(runs)
     except KeyboardInterrupt:
         ex.stop()
         for t in threads:  # their runs are killed: they close their .out files and end
             t.join(5)
         print("sweep: interrupted; the running runs were killed", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(130)  # not sys.exit: that would wait for an xz job already under way (up to 36 s)
+        os._exit(130)  # not sys.exit: that would wait for a coding job already under way (up to 40 s)
     rows = summarize(runs, list(variants))
     table = render_table(rows)
     first = next(iter(variants))
