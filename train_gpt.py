@@ -175,13 +175,16 @@ class Hyperparameters:
         env = dict(os.environ if env is None else env)
         by_env = {f.name.upper(): f for f in fields(cls)}
         values, warnings = {}, []
+        heads = {name.split("_")[0] for name in by_env} - GENERIC_WORDS
         for key, raw in env.items():
             if key in by_env:
                 f = by_env[key]
                 values[f.name] = _parse_value(key, raw, f.type, CHOICES.get(f.name))
             elif key in DROPPED_SETTINGS or key.startswith(DROPPED_PREFIXES):
                 warnings.append(f"setting {key} is not supported by this script and is ignored")
-            elif _looks_like_ours(key, by_env):
+            elif key.startswith(FOREIGN_PREFIXES) or key in ("RANK", "WORLD_SIZE"):
+                continue
+            elif key.split("_")[0] in heads or difflib.get_close_matches(key, list(by_env), n=1, cutoff=0.85):
                 close = difflib.get_close_matches(key, list(by_env), n=1, cutoff=0.0)
                 raise ValueError(f"unknown setting {key}={raw!r}; closest valid setting: {close[0]}")
         values["run_id"] = values.get("run_id") or str(uuid.uuid4())
@@ -237,13 +240,6 @@ def _parse_value(key: str, raw: str, typ: str, choices: tuple[str, ...] | None):
     if choices is not None and value not in choices:
         raise ValueError(f"malformed value for {key}: {raw!r} (expected one of {', '.join(choices)})")
     return value
-
-
-def _looks_like_ours(key: str, by_env: dict) -> bool:
-    if key.startswith(FOREIGN_PREFIXES) or key in ("RANK", "WORLD_SIZE"):
-        return False
-    heads = {name.split("_")[0] for name in by_env} - GENERIC_WORDS
-    return key.split("_")[0] in heads or bool(difflib.get_close_matches(key, list(by_env), n=1, cutoff=0.85))
 
 
 def adopt_settings(cfg: Hyperparameters, stored: dict, names: tuple[str, ...], explicit: set[str],
@@ -455,8 +451,7 @@ class Logger:
     """Rank 0 only: `event key:value` lines to stdout and logs/<RUN_ID>.txt."""
 
     def __init__(self, run_id: str, enabled: bool):
-        self.enabled = enabled
-        self.path = Path("logs") / f"{run_id}.txt"  # claim_outputs made the folder
+        self.enabled, self.path = enabled, Path("logs") / f"{run_id}.txt"  # claim_outputs made the folder
 
     def __call__(self, msg: str, console: bool = True) -> None:
         if not self.enabled:
@@ -833,8 +828,7 @@ class TrainLoader:
     def __init__(self, files: list[str], cfg: Hyperparameters, rt: Runtime):
         sampler = CoprimeSampler if cfg.train_sampling == "coprime" else SequentialSampler
         self.sampler = sampler(files, cfg.vocab_size, cfg.train_seq_len)
-        self.seq_len, self.seqs_per_step = cfg.train_seq_len, cfg.train_batch_tokens // cfg.train_seq_len
-        self.rt = rt
+        self.rt, self.seq_len, self.seqs_per_step = rt, cfg.train_seq_len, cfg.train_batch_tokens // cfg.train_seq_len
         self.seqs_per_micro = self.seqs_per_step // (rt.world_size * rt.grad_accum)
         self.ahead = None  # (sampler state before it, x, y, copy-done event) of the prefetched step
         if rt.device.type == "cuda":
@@ -1056,12 +1050,6 @@ class GPT(nn.Module):
     def _init_linear(w: Tensor) -> None:  # the reference's rule: every other linear >= 64x64 is orthogonal
         nn.init.orthogonal_(w) if min(w.shape) >= 64 else nn.init.normal_(w, std=w.shape[1] ** -0.5)
 
-    def bank_weights(self, dtype: torch.dtype) -> dict[str, Tensor]:
-        banks = {bank: getattr(self, bank) for bank in BANKS}
-        if self.qat_enabled and self.training:  # scoring always sees the float weights
-            banks = {k: fake_quant_int6(b, self.cfg.int6_scale_floor) for k, b in banks.items()}
-        return {k: b.to(dtype) for k, b in banks.items()}
-
     def embed(self, ids_BT: Tensor) -> Tensor:
         x = self.tok_emb(ids_BT)
         if self.cfg.bigram_vocab_size > 0:
@@ -1082,7 +1070,11 @@ class GPT(nn.Module):
         cfg, L = self.cfg, self.cfg.num_layers
         x = self.embed(ids_BT)
         x0, skips = x, []
-        banks = self.bank_weights(torch.bfloat16 if torch.is_autocast_enabled(x.device.type) else x.dtype)
+        banks = {bank: getattr(self, bank) for bank in BANKS}
+        if self.qat_enabled and self.training:  # scoring always sees the float weights
+            banks = {k: fake_quant_int6(b, cfg.int6_scale_floor) for k, b in banks.items()}
+        dtype = torch.bfloat16 if torch.is_autocast_enabled(x.device.type) else x.dtype
+        banks = {k: b.to(dtype) for k, b in banks.items()}
         ve_BTK = None
         if cfg.ve_layer_list:
             ve_BTK = self.ve.proj(self.ve.embed(ids_BT))
@@ -1555,8 +1547,7 @@ class Scorer:
     Its public interface (tokens, windows, prepare, rows, score_windows) is also what legal TTT uses."""
 
     def __init__(self, cfg: Hyperparameters, rt: Runtime, tokens: Tensor, luts):
-        self.cfg, self.rt, self.luts = cfg, rt, luts
-        self.tokens = tokens.to(rt.device)
+        self.cfg, self.rt, self.luts, self.tokens = cfg, rt, luts, tokens.to(rt.device)
         self.batch_seqs = max(1, cfg.val_batch_size // (rt.world_size * rt.grad_accum * cfg.eval_seq_len))
 
     def windows(self, stride: int) -> Tensor:
@@ -1647,8 +1638,7 @@ def legal_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log
     for k in range(n_chunks):
         sums += scorer.score_windows(fn_score, wins[win_chunk == k])
         if k < n_chunks - 1 and cfg.ttt_epochs > 0:
-            for g in opt.param_groups:
-                g["lr"] = cfg.ttt_lr * 0.5 * (1 + math.cos(math.pi * k / max(n_chunks - 1, 1)))
+            opt.param_groups[0]["lr"] = cfg.ttt_lr * 0.5 * (1 + math.cos(math.pi * k / max(n_chunks - 1, 1)))
             c1 = min((k + 1) * C, n_targets)
             starts = torch.arange(k * C, c1, T, device=rt.device)
             for _ in range(cfg.ttt_epochs):
@@ -2156,8 +2146,7 @@ class EMA:
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
-        for p, s in zip(self.params, self.shadow):
-            p.copy_(s.to(p.dtype))
+        torch._foreach_copy_(self.params, self.shadow)  # rounds to each parameter's dtype
 
 
 def train_cap_ms(cfg: Hyperparameters) -> float:
@@ -2358,13 +2347,12 @@ class Trainer:
         if stopped:
             log(f"interrupted by {signal.Signals(stopped).name} at step {step}: resume with RESUME={self.ckpt_path} "
                 "and the same settings")
-            return step, train_ms, stopped
-        if self.graphed:  # scoring and TTT after training need the memory the graphs' pool and gradient buffers hold
+        elif self.graphed:  # scoring and TTT after training need the memory the graphs' pool and gradient buffers hold
             self.graphs.clear()
             self.graphed = self.opt.keep_grads = False
             self.opt.zero_grad()
             torch.cuda.empty_cache()
-        return step, train_ms, 0
+        return step, train_ms, stopped
 
     def eta_s(self, step: int, t_ms: float, start: tuple[int, float]) -> float:
         """Seconds left at this run's mean step time, or to the cap if that comes first."""
