@@ -631,7 +631,7 @@ class Optimizers:
     def __init__(self, model: nn.Module, cfg: Hyperparameters, rt: Runtime):
         groups = group_parameters(model)
         self.keep_grads = False  # zero .grad instead of freeing it (set by the Trainer while CUDA graphs use it)
-        self.rank, self.world_size = rt.rank, rt.world_size
+        self.rank, self.clip_norm = rt.rank, cfg.grad_clip_norm
         bf16 = cfg.muon_reduce_dtype == "bf16" or (cfg.muon_reduce_dtype == "auto" and rt.device.type == "cuda")
         self.muon = ParallelMuon([p for _, p in groups["muon"]], cfg.matrix_lr, cfg.muon_momentum, cfg.muon_wd,
                                  cfg.muon_backend_steps, torch.bfloat16 if bf16 else torch.float32, rt.world_size)
@@ -643,7 +643,6 @@ class Optimizers:
                                       fused=rt.device.type == "cuda")
         self.muon.param_groups[0]["base_lr"] = cfg.matrix_lr
         self.replicated = [p for g, _ in PARAM_TABLE if g != "muon" for _, p in groups[g]]
-        self.clip_norm = cfg.grad_clip_norm
 
     def zero_grad(self) -> None:
         self.adam.zero_grad(set_to_none=not self.keep_grads)
@@ -1501,14 +1500,9 @@ def build_byte_luts(sp, vocab_size: int, device: torch.device) -> tuple[Tensor, 
     for i in range(n):
         if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i):
             continue  # boundary token, 0 bytes
-        boundary[i] = False
-        if sp.is_byte(i):
-            base[i] = 1
-            continue
-        piece = sp.id_to_piece(i)
-        if piece.startswith("\u2581"):
-            space[i], piece = True, piece[1:]
-        base[i] = len(piece.encode("utf-8"))
+        piece, byte = sp.id_to_piece(i), sp.is_byte(i)
+        boundary[i], space[i] = False, not byte and piece.startswith("\u2581")
+        base[i] = 1 if byte else len(piece.removeprefix("\u2581").encode("utf-8"))
     return tuple(torch.from_numpy(a).to(device) for a in (base, space, boundary))
 
 
