@@ -72,7 +72,8 @@ NON_NEGATIVE = ("iterations", "warmup_steps", "warmdown_iters", "max_wallclock_s
                 "muon_wd", "adam_wd", "grad_clip_norm", "ema_horizon", "late_qat_threshold", "val_loss_every",
                 "train_log_every", "checkpoint_every", "ttt_lr", "ttt_epochs", "ttt_freeze_blocks",
                 "matrix_clip_sigmas", "gptq_calibration_batches", "gptq_reserve_seconds")
-FRACTIONS = ("muon_momentum", "muon_momentum_warmup_start", "beta1", "beta2", "ema_decay", "ttt_momentum")
+FRACTIONS = ("muon_momentum", "muon_momentum_warmup_start", "beta1", "beta2", "ema_decay", "ttt_momentum",
+             "auto_size")
 # The settings that define the model's function: stored in every artifact (EVAL_ONLY builds the model from them).
 MODEL_SETTINGS = ("vocab_size", "num_layers", "model_dim", "num_heads", "num_kv_heads", "mlp_mult",
                   "mlp_negative_slope", "tie_embeddings", "rope_base", "rope_dims", "logit_softcap", "ln_scale",
@@ -159,6 +160,7 @@ class Hyperparameters:
     matrix_clip_sigmas: float = 0.0  # bank row scale = k * std(row) / 31 (SD clip); 0 = the clip search
     gptq_calibration_batches: int = 0  # GPTQ for the banks, X^T X from this many train micro-batches per rank; 0 = off
     gptq_reserve_seconds: float = 0.0  # under the wallclock cap, training stops this much earlier for the calibration
+    auto_size: float = 0.0  # MLP width (or bigram table, MLP_MULT set) filling this fraction of the limit; 0 = off
     # --- legal test-time training (score first, then train; after the final scoring)
     ttt_enabled: bool = False  # run legal TTT on the read-back artifact and log legal_ttt
     ttt_lr: float = 0.006  # SGD lr, cosine-decayed over chunks (0.006 beat the reference's 0.002 on the PQB)
@@ -1677,6 +1679,7 @@ def ttt_sync_grads(model: GPT, params: list[Tensor], frozen: list[int], num_laye
 CLIP_QUANTILES = (0.999, 0.9995, 0.9999, 0.99999, 1.0)  # per-row clip candidates, best MSE wins
 INT8_CLIP_QUANTILE = 0.9999984  # the reference's per-row clip for int8 tables
 KEEP_FLOAT_MAX_NUMEL = 65536  # tensors up to this size stay float (fp16)
+SIZE_LIMIT_BYTES = 16_000_000  # artifact + code, decimal bytes (the challenge's rule)
 ARTIFACT_MAGIC, PAYLOAD_MAGIC = b"PGA1", b"PGT2"  # PGT1: before the settings were stored
 COMPRESSOR_CODES = {"zstd": 0, "lzma": 1, "rans": 2}
 # xz preset 6|extreme came out 34-38 KB smaller than 9|extreme (and ~10% faster) on both PQB artifacts
@@ -1774,21 +1777,75 @@ def quantize_matrix(w_RC: Tensor, cfg: Hyperparameters, h_CC: Tensor | None) -> 
     return codes, scale.half()
 
 
+def bank_matrix_names(num_layers: int) -> dict[str, tuple[str, int]]:
+    return {f"blocks.{i}.{n}": (n, i) for n in MATRICES for i in range(num_layers)}
+
+
+def storage(name: str, t: Tensor, banked: dict) -> str:
+    """How a tensor of unbank(state) is stored: int6 codes (bank matrices), int8 codes (the big tables:
+    EMBED_TABLES, an untied head) or fp16."""
+    return "q6" if name in banked else "q8" if t.numel() > KEEP_FLOAT_MAX_NUMEL and t.ndim == 2 else "f16"
+
+
 def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dict | None = None) -> dict[str, Tensor]:
     """The artifact's tensors: bank matrices int6 (quantize_matrix; `hessians` from calibrate turn GPTQ on),
     the big tables int8, the rest fp16. On the CPU: the same bytes from any device."""
-    out = {}
-    banked = {f"blocks.{i}.{n}": (n, i) for n in MATRICES for i in range(cfg.num_layers)}
+    out, banked = {}, bank_matrix_names(cfg.num_layers)
     for name, t in unbank(state, cfg.num_layers).items():
-        t = t.detach().float().cpu()
-        if name in banked:
+        t, kind = t.detach().float().cpu(), storage(name, t, banked)
+        if kind == "q6":
             h = hessians[banked[name]].cpu() if hessians is not None else None
             out[name + ".q6"], out[name + ".scale"] = quantize_matrix(t, cfg, h)
-        elif t.numel() > KEEP_FLOAT_MAX_NUMEL and t.ndim == 2:  # the big tables (EMBED_TABLES, an untied head)
+        elif kind == "q8":
             out[name + ".q8"], out[name + ".scale"] = quantize_rows(t, 127, (INT8_CLIP_QUANTILE,), 1 / 127)
         else:
             out[name + ".f16"] = t.half()
     return out
+
+
+# What the default coder (auto: rANS) spent per stored value on the PQB artifact (seed 1337, 1,500 steps, clip
+# search; 14,797,155 B): 4.245 bits an int6 code, 7.200 an int8 code, and 259 KB of side data (124 K fp16 values,
+# 43 K row scales, the header, xz'd), taken as 1.55 B per fp16 value or scale. With SD clip (k: PREDICT_SD_BITS,
+# the same weights) the int6 code's cost is not log2(31 / k) + a constant: INT6_SCALE_FLOOR holds 49% of the
+# rows at k = 5, 7% at 12.85. xz, zstd-22 and zstd-3 made the clip-search payload 6.0%, 10.8% and 8.1% larger.
+PREDICT_BITS, PREDICT_SIDE_BYTES = {"q6": 4.245, "q8": 7.200}, 1.55
+PREDICT_SD_BITS = ((5, 7, 9, 12.85, 16), (4.148, 3.890, 3.612, 3.142, 2.852))
+PREDICT_CODER = {"auto": 1.0, "rans": 1.0, "lzma": 1.060, "zstd": 1.108, "fast": 1.081}
+
+
+def predict_artifact_bytes(cfg: Hyperparameters) -> int:
+    """The artifact's size for these settings before training, from the shapes (a model on the meta device) and
+    PREDICT_*; trained weights of other runs spread differently, so it is an estimate (the log has both)."""
+    with torch.device("meta"):
+        state = GPT(cfg).state_dict()
+    banked, total = bank_matrix_names(cfg.num_layers), 0.0
+    bits = dict(PREDICT_BITS)
+    if cfg.matrix_clip_sigmas > 0:
+        bits["q6"] = float(np.interp(cfg.matrix_clip_sigmas, *PREDICT_SD_BITS))
+    for name, t in unbank(state, cfg.num_layers).items():
+        kind = storage(name, t, banked)
+        total += PREDICT_SIDE_BYTES * t.numel() if kind == "f16" else (
+            t.numel() * bits[kind] / 8 + PREDICT_SIDE_BYTES * t.shape[0])
+    return round(total * PREDICT_CODER[cfg.compressor])
+
+
+def fit_to_limit(cfg: Hyperparameters, explicit: set[str], code_bytes: int) -> Hyperparameters:
+    """AUTO_SIZE=f: the widest MLP (hidden a multiple of 64) whose predicted artifact and code fill at most f of
+    the size limit; with MLP_MULT set, the largest bigram table (rows a multiple of 64) instead."""
+    field = next((f for f in ("mlp_mult", "bigram_vocab_size") if f not in explicit), None)
+    if field is None:
+        raise ValueError("AUTO_SIZE sizes MLP_MULT or BIGRAM_VOCAB_SIZE: leave one of them unset")
+    value = (lambda n: n * 64 / cfg.model_dim) if field == "mlp_mult" else (lambda n: n * 64)
+    budget = cfg.auto_size * SIZE_LIMIT_BYTES - code_bytes
+    fits = lambda n: predict_artifact_bytes(replace(cfg, **{field: value(n)})) <= budget
+    if not fits(1):
+        raise ValueError(f"AUTO_SIZE={cfg.auto_size}: even {field}={value(1)} is predicted over the limit")
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:  # the largest n that fits: the size grows with n
+        lo, hi = ((lo + hi) // 2, hi) if fits((lo + hi) // 2) else (lo, (lo + hi) // 2)
+    return replace(cfg, **{field: value(lo)})
 
 
 @torch.no_grad()
@@ -2420,9 +2477,6 @@ def log_score(log: Logger, key: str, s: Score, extra: str = "") -> None:
 # main
 # =============================================================================================
 
-SIZE_LIMIT_BYTES = 16_000_000
-
-
 def main() -> int:
     # the readable source: this file, or what the shipped stub (shipped_code) unpacked before running it
     code = globals().get("READABLE_SOURCE") or Path(__file__).read_text(encoding="utf-8")
@@ -2436,6 +2490,8 @@ def main() -> int:
     stored = read_artifact(cfg.eval_only) if cfg.eval_only else None
     if stored is not None:
         cfg, _ = adopt_settings(cfg, stored[0], MODEL_SETTINGS, explicit, f"artifact {cfg.eval_only}")
+    if cfg.auto_size > 0 and ckpt is None and stored is None:  # a resumed or scored model keeps its shapes
+        cfg = fit_to_limit(cfg, explicit, len(shipped_code(code)))
     claimed = claim_outputs(cfg)
     if claimed.run_id != cfg.run_id:
         warnings.append(f"logs/{cfg.run_id}.txt exists: this run is RUN_ID={claimed.run_id}")
@@ -2458,6 +2514,12 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     log(rt.describe())
     artifact = Path(cfg.eval_only or cfg.artifact_path)
     log(f"outputs log:{log.path} artifact:{artifact}" + (f" checkpoints:logs/{cfg.run_id}.ckpt" if cfg.checkpoint_every else ""))
+    code_bytes = len(shipped_code(code))
+    if not cfg.eval_only:  # known at step 0: a config that will not fit, or one that leaves bytes unused
+        predicted = predict_artifact_bytes(cfg) + code_bytes
+        log(f"predicted_size total:{predicted} limit:{SIZE_LIMIT_BYTES} headroom:{SIZE_LIMIT_BYTES - predicted}"
+            + (f" auto_size:{cfg.auto_size} mlp_mult:{cfg.mlp_mult} bigram_vocab_size:{cfg.bigram_vocab_size}"
+               if cfg.auto_size else ""))
 
     import sentencepiece as spm
     if not Path(cfg.tokenizer_path).is_file():
@@ -2518,7 +2580,6 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
         stored = read_artifact(artifact)  # the file, not the model in memory, is what is scored
     blob = artifact.read_bytes()
     method = {v: k for k, v in COMPRESSOR_CODES.items()}[blob[4]]
-    code_bytes = len(shipped_code(code))
     total = len(blob) + code_bytes
     log(f"code_bytes:{code_bytes}")
     log(f"Total submission size int6+{method}: {total} bytes limit:{SIZE_LIMIT_BYTES} headroom:{SIZE_LIMIT_BYTES - total}")

@@ -9,6 +9,7 @@ import json
 import lzma
 import re
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -576,6 +577,49 @@ def _probe(tmp_path: Path, stub: Path) -> Path:
                      "src = inspect.getsource(ns['_xsa_fwd'].fn)  # what @triton.jit reads\n"
                      "print('kernel source found' if src.lstrip().startswith('@triton.jit') else 'missing')\n")
     return probe
+
+
+# =============================================================================================
+# Predicted artifact size and AUTO_SIZE
+# =============================================================================================
+
+@pytest.mark.parametrize("fields", [{}, dict(tie_embeddings=False, bigram_vocab_size=0), dict(ve_enabled=False)])
+def test_prediction_counts_what_quantize_state_stores(monkeypatch, fields):
+    """At 8 bits a code, 2 bytes a scale or fp16 value and no coder gain, the prediction is exactly the payload's
+    tensor bytes: it classifies and counts every tensor as the export does."""
+    cfg = tiny_cfg(**(QCFG | fields))
+    monkeypatch.setattr(tg, "PREDICT_BITS", {"q6": 8.0, "q8": 8.0})
+    monkeypatch.setattr(tg, "PREDICT_SIDE_BYTES", 2.0)
+    packed = tg.quantize_state(random_model(cfg, seed=1).state_dict(), cfg)
+    assert any(k.endswith(".q8") for k in packed) and any(k.endswith(".f16") for k in packed)
+    assert tg.predict_artifact_bytes(replace(cfg, compressor="rans")) == sum(t.numel() * t.element_size()
+                                                                             for t in packed.values())
+
+
+def test_prediction_follows_the_coder_and_sd_clip():
+    cfg = tg.Hyperparameters()
+    base = tg.predict_artifact_bytes(cfg)
+    assert tg.predict_artifact_bytes(replace(cfg, compressor="lzma")) > base  # xz codes the same payload larger
+    sd = [tg.predict_artifact_bytes(replace(cfg, matrix_clip_sigmas=k)) for k in (5, 9, 12.85, 20)]
+    assert sd == sorted(sd, reverse=True) and sd[0] < base  # a coarser grid costs fewer bits
+
+
+def test_auto_size_fills_the_limit_with_the_widest_mlp_else_the_bigram_table():
+    cfg, code_bytes = replace(tg.Hyperparameters(), auto_size=0.95), 50_000
+    budget = 0.95 * tg.SIZE_LIMIT_BYTES - code_bytes
+    fitted = tg.fit_to_limit(cfg, set(), code_bytes)
+    step = 64 / cfg.model_dim
+    assert fitted.mlp_mult * cfg.model_dim % 64 == 0 and fitted.bigram_vocab_size == cfg.bigram_vocab_size
+    wider = replace(fitted, mlp_mult=fitted.mlp_mult + step)
+    assert tg.predict_artifact_bytes(fitted) <= budget < tg.predict_artifact_bytes(wider)
+    kept = tg.fit_to_limit(cfg, {"mlp_mult"}, code_bytes)  # MLP_MULT set: the bigram table is sized instead
+    assert kept.mlp_mult == cfg.mlp_mult and kept.bigram_vocab_size % 64 == 0
+    bigger = replace(kept, bigram_vocab_size=kept.bigram_vocab_size + 64)
+    assert tg.predict_artifact_bytes(kept) <= budget < tg.predict_artifact_bytes(bigger)
+    with pytest.raises(ValueError, match="leave one of them unset"):
+        tg.fit_to_limit(cfg, {"mlp_mult", "bigram_vocab_size"}, code_bytes)
+    with pytest.raises(ValueError, match="over the limit"):
+        tg.fit_to_limit(replace(cfg, auto_size=0.01), set(), code_bytes)
 
 
 # =============================================================================================

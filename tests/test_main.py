@@ -131,6 +131,9 @@ def test_run_says_where_its_outputs_go_and_ends_with_a_summary(seed_runs):
     log = seed_runs["same_a"]
     assert one_line(log, "outputs ") == "outputs log:logs/same_a.txt artifact:logs/same_a.int6.ptz"
     assert (seed_runs["same_a_cwd"] / "logs" / "same_a.int6.ptz").is_file()  # the default ARTIFACT_PATH
+    predicted = int(re.fullmatch(r"predicted_size total:(\d+) limit:16000000 headroom:(-?\d+)",
+                                 one_line(log, "predicted_size ")).group(1))
+    assert predicted > int(one_line(log, "code_bytes:").split(":")[1])  # the code and the weights' estimate
     exact = one_line(log, "final_int6_sliding_window_exact ").split("val_bpb:")[1]
     total = one_line(log, "Total submission size").split(": ")[1].split()[0]
     summary = log.strip().splitlines()[-1]
