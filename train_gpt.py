@@ -158,6 +158,7 @@ class Hyperparameters:
     compressor: str = "auto"  # auto (smallest of rans, zstd, lzma) | rans | zstd | lzma | fast (zstd-3 for sweeps: 0.2 s)
     int6_scale_floor: float = 1 / 31  # floor on int6 row scales: coarsens tiny rows, compresses better
     matrix_clip_sigmas: float = 0.0  # bank row scale = k * std(row) / 31 (SD clip); 0 = the clip search
+    embed_bits: int = 8  # bits of the big tables' codes (EMBED_TABLES, an untied head): 4..8
     gptq_calibration_batches: int = 0  # GPTQ for the banks, X^T X from this many train micro-batches per rank; 0 = off
     gptq_reserve_seconds: float = 0.0  # under the wallclock cap, training stops this much earlier for the calibration
     auto_size: float = 0.0  # MLP width (or bigram table, MLP_MULT set) filling this fraction of the limit; 0 = off
@@ -219,6 +220,7 @@ class Hyperparameters:
         need(self.max_wallclock_seconds == 0 or self.gptq_reserve_seconds < self.max_wallclock_seconds,
              "GPTQ_RESERVE_SECONDS must be below MAX_WALLCLOCK_SECONDS")
         # scales are stored (and applied) as fp16: a smaller floor rounds to 0 and turns all-zero rows into 0/0
+        need(4 <= self.embed_bits <= 8, "EMBED_BITS must be in 4..8 (codes are stored as int8)")
         need(self.int6_scale_floor >= 2.0 ** -14, "INT6_SCALE_FLOOR must be >= 2^-14 (6.1e-5), fp16's smallest normal")
 
     @property
@@ -1788,16 +1790,19 @@ def storage(name: str, t: Tensor, banked: dict) -> str:
 
 
 def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dict | None = None) -> dict[str, Tensor]:
-    """The artifact's tensors: bank matrices int6 (quantize_matrix; `hessians` from calibrate turn GPTQ on),
-    the big tables int8, the rest fp16. On the CPU: the same bytes from any device."""
+    """The artifact's tensors: bank matrices int6 (quantize_matrix; `hessians` from calibrate turn GPTQ on, for
+    the output head too), the big tables EMBED_BITS, the rest fp16. On the CPU: the same bytes from any device."""
     out, banked = {}, bank_matrix_names(cfg.num_layers)
     for name, t in unbank(state, cfg.num_layers).items():
         t, kind = t.detach().float().cpu(), storage(name, t, banked)
         if kind == "q6":
             h = hessians[banked[name]].cpu() if hessians is not None else None
             out[name + ".q6"], out[name + ".scale"] = quantize_matrix(t, cfg, h)
-        elif kind == "q8":
-            out[name + ".q8"], out[name + ".scale"] = quantize_rows(t, 127, (INT8_CLIP_QUANTILE,), 1 / 127)
+        elif kind == "q8":  # the output head (tok_emb when tied) GPTQ'd on the final hidden states' H
+            qmax = 2 ** (cfg.embed_bits - 1) - 1
+            out[name + ".q8"], out[name + ".scale"] = quantize_rows(t, qmax, (INT8_CLIP_QUANTILE,), 1 / qmax)
+            if hessians is not None and name == ("tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight"):
+                out[name + ".q8"] = gptq_codes(t, hessians["head", 0].cpu(), out[name + ".scale"].float(), qmax)
         else:
             out[name + ".f16"] = t.half()
     return out
@@ -1819,7 +1824,7 @@ def predict_artifact_bytes(cfg: Hyperparameters) -> int:
     with torch.device("meta"):
         state = GPT(cfg).state_dict()
     banked, total = bank_matrix_names(cfg.num_layers), 0.0
-    bits = dict(PREDICT_BITS)
+    bits = dict(PREDICT_BITS, q8=PREDICT_BITS["q8"] - (8 - cfg.embed_bits))  # about a bit less per bit dropped
     if cfg.matrix_clip_sigmas > 0:
         bits["q6"] = float(np.interp(cfg.matrix_clip_sigmas, *PREDICT_SD_BITS))
     for name, t in unbank(state, cfg.num_layers).items():
@@ -1850,8 +1855,8 @@ def fit_to_limit(cfg: Hyperparameters, explicit: set[str], code_bytes: int) -> H
 
 @torch.no_grad()
 def calibrate(model: GPT, loader: TrainLoader, batches: int) -> dict[tuple[str, int], Tensor]:
-    """GPTQ's H = X^T X for every bank matrix, over `batches` train micro-batches per rank (the loader goes on
-    where training stopped: never validation data), summed over ranks."""
+    """GPTQ's H = X^T X for every bank matrix and the output head, over `batches` train micro-batches per rank
+    (the loader goes on where training stopped: never validation data), summed over ranks."""
     was_training, tf32, model.hessians = model.training, torch.backends.cuda.matmul.allow_tf32, {}
     # X^T X in full fp32 (TF32's 10-bit products would blur H's small eigenvalues)
     model.eval()
@@ -1860,7 +1865,7 @@ def calibrate(model: GPT, loader: TrainLoader, batches: int) -> dict[tuple[str, 
     while seen < batches:
         for x, _ in loader.next_batch()[: batches - seen]:
             with autocast(x.device):
-                model.hidden(x)
+                model.observe(("head",), 0, model.hidden(x))
             seen += 1
     hessians, model.hessians = model.hessians, None
     model.train(was_training)

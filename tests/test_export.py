@@ -498,10 +498,13 @@ def test_calibrate_sums_each_matrix_input_over_batches_and_gptq_lowers_the_layer
     loader = tg.TrainLoader(tg.shard_files(str(dataset), "train"), cfg, tg.Runtime(grad_accum=2))
     pairs = tg.TrainLoader(tg.shard_files(str(dataset), "train"), cfg, tg.Runtime(grad_accum=2)).next_batch()
     h = tg.calibrate(model, loader, 2)
-    assert set(h) == {(n, i) for n in tg.MATRICES for i in range(cfg.num_layers)} and model.hessians is None
-    want = 0.0
+    banks = {(n, i) for n in tg.MATRICES for i in range(cfg.num_layers)}
+    assert set(h) == banks | {("head", 0)} and model.hessians is None
+    want, head = 0.0, 0.0
     with torch.no_grad():
         for ids, _ in pairs:
+            final = model.hidden(ids).reshape(-1, cfg.model_dim).double()
+            head = head + final.T @ final
             x0 = model.embed(ids)
             mix = model.blocks[0].resid_mix
             inp = tg.rms_norm(mix[0] * x0 + mix[1] * x0).reshape(-1, cfg.model_dim).double()
@@ -509,17 +512,41 @@ def test_calibrate_sums_each_matrix_input_over_batches_and_gptq_lowers_the_layer
     for n in ("attn.q", "attn.k", "attn.v"):
         torch.testing.assert_close(h[n, 0].double(), want, rtol=1e-5, atol=1e-4)
         assert torch.linalg.eigvalsh(h[n, 0].double()).min() > -1e-6 * want.diagonal().mean()  # PSD, as X^T X
+    torch.testing.assert_close(h["head", 0].double(), head, rtol=1e-5, atol=1e-4)  # the output head's input
     assert h["mlp.down", 1].shape == (3 * cfg.model_dim,) * 2
     # the layer-output error GPTQ minimises, sum over matrices of tr((W - W_q) H (W - W_q)^T): below rounding's
     state, errors = tg.unbank(model.state_dict(), cfg.num_layers), {}
     for name, hess in (("rtn", None), ("gptq", h)):
         packed = tg.quantize_state(model.state_dict(), cfg, hess)
         errors[name] = 0.0
-        for (n, i), hm in h.items():
-            key = f"blocks.{i}.{n}"
+        for n, i in banks:
+            key, hm = f"blocks.{i}.{n}", h[n, i]
             d = state[key].detach() - packed[key + ".q6"].float() * packed[key + ".scale"].float()[:, None]
             errors[name] += float(torch.einsum("rc,cd,rd->", d, hm, d))
     assert errors["gptq"] < 0.8 * errors["rtn"], errors
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_embed_bits_and_the_head_gptqd_on_the_final_hidden_states(tied):
+    """EMBED_BITS=7: every big table's codes within +-63; the output head (tok_emb when tied, else lm_head) gets
+    GPTQ's codes for H of the final hidden states, with a lower output error than rounding; the other tables
+    are rounded."""
+    cfg = tiny_cfg(**QCFG, tie_embeddings=tied, embed_bits=7)
+    state = random_model(cfg, seed=8).state_dict()
+    x = torch.randn(512, cfg.model_dim, dtype=torch.float64) * torch.linspace(0.1, 2.0, cfg.model_dim)
+    hessians = {k: torch.eye(cfg.model_dim * (3 if k[0] == "mlp.down" else 1)) for k in
+                ((n, i) for n in tg.MATRICES for i in range(cfg.num_layers))} | {("head", 0): (x.T @ x).float()}
+    packed, rounded = tg.quantize_state(state, cfg, hessians), tg.quantize_state(state, cfg)
+    head = "tok_emb.weight" if tied else "lm_head.weight"
+    tables = [k for k in packed if k.endswith(".q8")]
+    assert f"{head}.q8" in tables and "bigram.embed.weight.q8" in tables
+    assert all(packed[k].abs().max() <= 63 for k in tables)
+    w, scale = state[head].double(), packed[f"{head}.scale"].double()
+    want = tg.gptq_codes(w, hessians["head", 0], scale, 63)
+    assert torch.equal(packed[f"{head}.q8"], want) and not torch.equal(want, rounded[f"{head}.q8"])
+    out_err = lambda q: float((x @ (w - q.double() * scale[:, None]).T).norm())
+    assert out_err(packed[f"{head}.q8"]) < out_err(rounded[f"{head}.q8"])
+    assert torch.equal(packed["bigram.embed.weight.q8"], rounded["bigram.embed.weight.q8"])
 
 
 def test_sd_clip_sets_each_row_scale_from_its_std():
