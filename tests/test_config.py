@@ -178,6 +178,8 @@ def test_int6_scale_floor_below_fp16_range_is_an_error():
     ("CHECKPOINT_EVERY", "-5", "CHECKPOINT_EVERY"), ("BIGRAM_VOCAB_SIZE", "1", "0 (off) or >= 2"),
     ("VOCAB_SIZE", "70000", "VOCAB_SIZE must be <= 65536"), ("MATRIX_LR", "nan", "malformed value for MATRIX_LR"),
     ("SCALAR_LR", "inf", "malformed value for SCALAR_LR"),
+    ("EMBED_BITS", "9", "EMBED_BITS must be in 4..8"),
+    ("AUTO_SIZE", "1.2", "AUTO_SIZE=1.2 is out of range"),
 ])
 def test_values_out_of_range_are_refused_at_the_start_naming_the_setting(key, raw, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -186,7 +188,8 @@ def test_values_out_of_range_are_refused_at_the_start_naming_the_setting(key, ra
 
 def test_every_number_has_a_range():
     """A new numeric setting must join one of the range lists (or be one of the few with a rule of their own)."""
-    own_rule = {"seed", "qk_gain_init", "int6_scale_floor", "rope_dims"}  # any; any; own floor; even, <= head dim
+    own_rule = {"seed", "qk_gain_init", "int6_scale_floor", "rope_dims", "embed_bits"}  # any; any; own floor;
+    # even, <= head dim; 4..8
     numbers = {f.name for f in dataclasses.fields(tg.Hyperparameters) if f.type in ("int", "float")}
     ranged = set(tg.POSITIVE) | set(tg.NON_NEGATIVE) | set(tg.FRACTIONS)
     assert numbers - own_rule == ranged and not ranged - numbers
