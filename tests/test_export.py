@@ -552,10 +552,22 @@ def test_embed_bits_and_the_head_gptqd_on_the_final_hidden_states(tied):
 def test_sd_clip_sets_each_row_scale_from_its_std():
     cfg = tiny_cfg(matrix_clip_sigmas=12.85)
     w = torch.randn(8, 32) * torch.linspace(0.01, 0.1, 8)[:, None]
-    codes, scale = tg.quantize_matrix(w, cfg, None)
+    codes, scale = tg.quantize_matrix(w, tg.clip_sigmas(cfg, "attn.q"), cfg.int6_scale_floor, None)
     want = np.maximum(12.85 * w.std(dim=1).numpy() / 31, cfg.int6_scale_floor).astype(np.float16)
     np.testing.assert_array_equal(scale.numpy(), want)
     np.testing.assert_array_equal(codes.numpy(), np.clip(np.round(w.numpy() / want.astype(np.float32)[:, None]), -31, 31))
+
+
+def test_mlp_and_attention_clip_sigmas_override_the_matrix_one_per_kind():
+    cfg = tiny_cfg(**QCFG, matrix_clip_sigmas=12.85, mlp_clip_sigmas=5.0)
+    assert [tg.clip_sigmas(cfg, m) for m in ("mlp.up", "mlp.down", "attn.q", "attn.o")] == [5.0, 5.0, 12.85, 12.85]
+    state = random_model(cfg, seed=9).state_dict()
+    packed, flat = tg.quantize_state(state, cfg), tg.unbank(state, cfg.num_layers)
+    for name, k in (("blocks.0.mlp.down", 5.0), ("blocks.1.attn.k", 12.85)):
+        want = np.maximum(k * flat[name].detach().std(dim=1).numpy() / 31, cfg.int6_scale_floor).astype(np.float16)
+        np.testing.assert_array_equal(packed[name + ".scale"].numpy(), want)
+    both = [tg.predict_artifact_bytes(replace(cfg, matrix_clip_sigmas=k, mlp_clip_sigmas=0.0)) for k in (12.85, 5.0)]
+    assert both[0] < tg.predict_artifact_bytes(cfg) < both[1]  # each kind predicted at its own k
 
 
 def test_gptq_damps_more_only_when_h_is_singular(monkeypatch):
