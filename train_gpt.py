@@ -222,8 +222,8 @@ class Hyperparameters:
         need(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
         need(self.max_wallclock_seconds == 0 or self.gptq_reserve_seconds < self.max_wallclock_seconds,
              "GPTQ_RESERVE_SECONDS must be below MAX_WALLCLOCK_SECONDS")
-        # scales are stored (and applied) as fp16: a smaller floor rounds to 0 and turns all-zero rows into 0/0
         need(4 <= self.embed_bits <= 8, "EMBED_BITS must be in 4..8 (codes are stored as int8)")
+        # scales are stored (and applied) as fp16: a smaller floor rounds to 0 and turns all-zero rows into 0/0
         need(self.int6_scale_floor >= 2.0 ** -14, "INT6_SCALE_FLOOR must be >= 2^-14 (6.1e-5), fp16's smallest normal")
 
     @property
@@ -1007,7 +1007,7 @@ class GPT(nn.Module):
         self.cfg, self.attn_backend, self.ops, self.qat_enabled = cfg, attn_backend, ops, False
         self.hessians: dict | None = None  # GPTQ calibration: {(matrix, layer): sum of X^T X of its input}
         self.tok_emb = nn.Embedding(V, D)
-        mlp = int(cfg.mlp_mult * D)
+        mlp = int(round(cfg.mlp_mult * D, 6))  # float-exact: 61 * 64 / 448 * 448 is 3903.99...
         shapes = {"qo_bank": (D, D), "kv_bank": (kv_dim, D), "mlp_up_bank": (mlp, D), "mlp_down_bank": (D, mlp)}
         for bank, names in BANKS.items():
             setattr(self, bank, nn.Parameter(torch.empty(len(names) * L, *shapes[bank])))
@@ -1686,7 +1686,7 @@ INT8_CLIP_QUANTILE = 0.9999984  # the reference's per-row clip for int8 tables
 KEEP_FLOAT_MAX_NUMEL = 65536  # tensors up to this size stay float (fp16)
 SIZE_LIMIT_BYTES = 16_000_000  # artifact + code, decimal bytes (the challenge's rule)
 ARTIFACT_MAGIC, PAYLOAD_MAGIC = b"PGA1", b"PGT2"  # PGT1: before the settings were stored
-COMPRESSOR_CODES = {"zstd": 0, "lzma": 1, "rans": 2}
+COMPRESSOR_CODES = {"zstd": 0, "lzma": 1, "rans": 3}  # 2: the order-0 rANS of e1ee1bd, no longer read
 # xz preset 6|extreme came out 34-38 KB smaller than 9|extreme (and ~10% faster) on both PQB artifacts
 # (15,408,208 vs 15,442,060 and 15,461,288 vs 15,499,120 bytes); zstd-22 was ~1 MB larger than either.
 LZMA_PRESET = 6 | lzma.PRESET_EXTREME
@@ -1795,8 +1795,7 @@ def bank_matrix_names(num_layers: int) -> dict[str, tuple[str, int]]:
 
 
 def storage(name: str, t: Tensor, banked: dict) -> str:
-    """How a tensor of unbank(state) is stored: int6 codes (bank matrices), int8 codes (the big tables:
-    EMBED_TABLES, an untied head) or fp16."""
+    """How a tensor of unbank(state) is stored: int6 codes (bank matrices), int8 codes (the big tables) or fp16."""
     return "q6" if name in banked else "q8" if t.numel() > KEEP_FLOAT_MAX_NUMEL and t.ndim == 2 else "f16"
 
 
@@ -1830,6 +1829,12 @@ PREDICT_SD_BITS = ((5, 7, 9, 12.85, 16), (4.148, 3.890, 3.612, 3.142, 2.852))
 PREDICT_CODER = {"auto": 1.0, "rans": 1.0, "lzma": 1.060, "zstd": 1.108, "fast": 1.081}
 
 
+def sd_clip_bits(k: float) -> float:
+    """An SD-clipped int6 code's predicted bits (0 at k = 0): the table, off it a bit per halving of k (a step)."""
+    lo, hi = PREDICT_SD_BITS[0][0], PREDICT_SD_BITS[0][-1]
+    return float(np.interp(k, *PREDICT_SD_BITS)) + math.log2(min(max(k, lo), hi) / k) if k > 0 else 0.0
+
+
 def predict_artifact_bytes(cfg: Hyperparameters) -> int:
     """The artifact's size for these settings before training, from the shapes (a model on the meta device) and
     PREDICT_*; trained weights of other runs spread differently, so it is an estimate (the log has both)."""
@@ -1839,8 +1844,9 @@ def predict_artifact_bytes(cfg: Hyperparameters) -> int:
     q8_bits = PREDICT_BITS["q8"] - (8 - cfg.embed_bits)  # about a bit less per bit dropped
     for name, t in unbank(state, cfg.num_layers).items():
         kind = storage(name, t, banked)
-        sigmas = clip_sigmas(cfg, banked[name][0]) if kind == "q6" else 0.0
-        bits = q8_bits if kind == "q8" else float(np.interp(sigmas, *PREDICT_SD_BITS)) if sigmas else PREDICT_BITS["q6"]
+        bits = q8_bits
+        if kind == "q6":
+            bits = sd_clip_bits(clip_sigmas(cfg, banked[name][0])) or PREDICT_BITS["q6"]
         total += PREDICT_SIDE_BYTES * t.numel() if kind == "f16" else (
             t.numel() * bits / 8 + PREDICT_SIDE_BYTES * t.shape[0])
     return round(total * PREDICT_CODER[cfg.compressor])
@@ -1857,12 +1863,12 @@ def fit_to_limit(cfg: Hyperparameters, explicit: set[str], code_bytes: int) -> H
     fits = lambda n: predict_artifact_bytes(replace(cfg, **{field: value(n)})) <= budget
     if not fits(1):
         raise ValueError(f"AUTO_SIZE={cfg.auto_size}: even {field}={value(1)} is predicted over the limit")
-    lo, hi = 1, 2
-    while fits(hi):
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1:  # the largest n that fits: the size grows with n
-        lo, hi = ((lo + hi) // 2, hi) if fits((lo + hi) // 2) else (lo, (lo + hi) // 2)
-    return replace(cfg, **{field: value(lo)})
+    n = 1
+    while fits(n + 1):  # one step of 64 at a time (a prediction takes 18 ms): the first n + 1 over the budget
+        n += 1
+    fitted = replace(cfg, **{field: value(n)})
+    fitted.validate()
+    return fitted
 
 
 @torch.no_grad()
@@ -2020,17 +2026,17 @@ def rans_decode(states: np.ndarray, counts: np.ndarray, words: np.ndarray, tid: 
 
 
 def _tensor_layout(payload: bytes) -> tuple[int, list[tuple[bool, int, list[int]]]]:
-    """Where the payload's tensor data starts, and each tensor's (is int8 codes, bytes, shape) in order."""
+    """Where the tensor data starts, and each tensor's (rANS-coded: int8 codes of a non-empty matrix, bytes, shape)."""
     (hlen,) = struct.unpack("<I", payload[4:8])
-    return 8 + hlen, [(dtype == "int8", _nbytes(dtype, shape), shape) for _, dtype, shape in
-                      json.loads(payload[8: 8 + hlen])["tensors"]]
+    return 8 + hlen, [(dtype == "int8" and len(shape) == 2 and math.prod(shape) > 0, _nbytes(dtype, shape), shape)
+                      for _, dtype, shape in json.loads(payload[8: 8 + hlen])["tensors"]]
 
 
-# A code's spread is about (its row's RMS) x (its column's RMS) / (the matrix's RMS): rows differ by scale, columns
-# by their input's size. Each code tensor stores both RMS as quarter-octave logs (one int8 per row and column),
-# and a code's table is chosen by that predicted spread, on a grid shared by all tensors. On the PQB artifact
-# (seed 1337) this coded 670 KB smaller than one order-0 table per tensor (14,797,155 B vs 15,467,919; xz:
-# 15,683,809); an eighth of an octave gained 13 KB more, the previous code's size in the row 6 KB.
+# A code's spread is about (its row's RMS) x (its column's RMS) / (the rows' typical RMS, their logs' mean): rows
+# differ by scale, columns by their input's size. Each code tensor stores both RMS as quarter-octave logs (one int8
+# per row and column), and a code's table is chosen by that predicted spread, on a grid shared by all tensors. On the
+# PQB artifact (seed 1337) this coded 670 KB smaller than one order-0 table per tensor (14,797,155 B vs 15,467,919;
+# xz: 15,683,809); an eighth of an octave gained 13 KB more, the previous code's size in the row 6 KB.
 RANS_TABLES, RANS_TABLE_OFFSET = 64, 24  # table t: predicted code RMS about 2^((t - 24) / 4)
 
 
@@ -2123,7 +2129,8 @@ def compress(payload: bytes, method: str) -> tuple[bytes, str]:
 
 def decompress(blob: bytes) -> bytes:
     if len(blob) < 5 or blob[:4] != ARTIFACT_MAGIC or blob[4] not in COMPRESSOR_CODES.values():
-        raise ValueError("not an artifact of this script (bad magic or compressor byte)")
+        raise ValueError("not an artifact of this script (bad magic or compressor byte; byte 2 is the order-0 rANS of "
+                         "an older train_gpt.py: export it again)")
     try:
         if blob[4] == COMPRESSOR_CODES["rans"]:
             return rans_decompress(blob[5:])
@@ -2534,9 +2541,7 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     code_bytes = len(shipped_code(code))
     if not cfg.eval_only:  # known at step 0: a config that will not fit, or one that leaves bytes unused
         predicted = predict_artifact_bytes(cfg) + code_bytes
-        log(f"predicted_size total:{predicted} limit:{SIZE_LIMIT_BYTES} headroom:{SIZE_LIMIT_BYTES - predicted}"
-            + (f" auto_size:{cfg.auto_size} mlp_mult:{cfg.mlp_mult} bigram_vocab_size:{cfg.bigram_vocab_size}"
-               if cfg.auto_size else ""))
+        log(f"predicted_size total:{predicted} limit:{SIZE_LIMIT_BYTES} headroom:{SIZE_LIMIT_BYTES - predicted}")
 
     import sentencepiece as spm
     if not Path(cfg.tokenizer_path).is_file():

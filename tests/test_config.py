@@ -188,8 +188,8 @@ def test_values_out_of_range_are_refused_at_the_start_naming_the_setting(key, ra
 
 def test_every_number_has_a_range():
     """A new numeric setting must join one of the range lists (or be one of the few with a rule of their own)."""
-    own_rule = {"seed", "qk_gain_init", "int6_scale_floor", "rope_dims", "embed_bits"}  # any; any; own floor;
-    # even, <= head dim; 4..8
+    # seed, qk_gain_init: any value; int6_scale_floor: fp16's floor; rope_dims: even, <= head dim; embed_bits: 4..8
+    own_rule = {"seed", "qk_gain_init", "int6_scale_floor", "rope_dims", "embed_bits"}
     numbers = {f.name for f in dataclasses.fields(tg.Hyperparameters) if f.type in ("int", "float")}
     ranged = set(tg.POSITIVE) | set(tg.NON_NEGATIVE) | set(tg.FRACTIONS)
     assert numbers - own_rule == ranged and not ranged - numbers

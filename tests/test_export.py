@@ -639,8 +639,10 @@ def test_prediction_follows_the_coder_and_sd_clip():
     cfg = tg.Hyperparameters()
     base = tg.predict_artifact_bytes(cfg)
     assert tg.predict_artifact_bytes(replace(cfg, compressor="lzma")) > base  # xz codes the same payload larger
-    sd = [tg.predict_artifact_bytes(replace(cfg, matrix_clip_sigmas=k)) for k in (5, 9, 12.85, 20)]
-    assert sd == sorted(sd, reverse=True) and sd[0] < base  # a coarser grid costs fewer bits
+    sd = [tg.predict_artifact_bytes(replace(cfg, matrix_clip_sigmas=k)) for k in (2.5, 5, 9, 12.85, 20, 32)]
+    assert sd == sorted(sd, reverse=True) and len(set(sd)) == 6  # a coarser grid costs fewer bits, also off the table
+    assert sd[1] < base
+    assert tg.sd_clip_bits(2.5) == pytest.approx(tg.sd_clip_bits(5) + 1) and tg.sd_clip_bits(0) == 0
 
 
 def test_auto_size_fills_the_limit_with_the_widest_mlp_else_the_bigram_table():
@@ -655,6 +657,9 @@ def test_auto_size_fills_the_limit_with_the_widest_mlp_else_the_bigram_table():
     assert kept.mlp_mult == cfg.mlp_mult and kept.bigram_vocab_size % 64 == 0
     bigger = replace(kept, bigram_vocab_size=kept.bigram_vocab_size + 64)
     assert tg.predict_artifact_bytes(kept) <= budget < tg.predict_artifact_bytes(bigger)
+    odd = replace(cfg, model_dim=448, num_heads=7, num_kv_heads=7, mlp_mult=61 * 64 / 448)  # a width it can pick
+    with torch.device("meta"):  # 61 * 64 / 448 * 448 is 3903.99... in floats: the width must still be 3904
+        assert tg.GPT(odd).mlp_up_bank.shape[1] == 61 * 64
     with pytest.raises(ValueError, match="leave one of them unset"):
         tg.fit_to_limit(cfg, {"mlp_mult", "bigram_vocab_size"}, code_bytes)
     with pytest.raises(ValueError, match="over the limit"):
@@ -697,11 +702,22 @@ def test_rans_artifact_gives_back_the_payload_byte_for_byte(tmp_path):
     cfg = tiny_cfg(**QCFG)
     payload = tg.pack_tensors(tg.quantize_state(random_model(cfg, seed=4).state_dict(), cfg), cfg)
     blob, coder = tg.compress(payload, "rans")
-    assert coder == "rans" and blob[:5] == b"PGA1\x02"
+    assert coder == "rans" and blob[:5] == b"PGA1\x03"
     assert tg.decompress(blob) == payload
     for how in ("flipped", "truncated"):
         with pytest.raises(ValueError, match="corrupt|truncated"):
             tg.decompress(damaged(blob, how))
+
+
+def test_rans_keeps_empty_and_0d_int8_tensors_in_the_side_data_and_refuses_the_old_format():
+    rng = np.random.default_rng(4)
+    tensors = {"a.q6": torch.zeros(0, 8, dtype=torch.int8), "b.q8": torch.tensor(5, dtype=torch.int8),
+               "c.q6": torch.from_numpy(rng.integers(-31, 32, (16, 40)).astype(np.int8)), "d.f16": torch.ones(3).half()}
+    payload = tg.pack_tensors(tensors, tiny_cfg())
+    blob, _ = tg.compress(payload, "rans")
+    assert tg.decompress(blob) == payload
+    with pytest.raises(ValueError, match="byte 2 is the order-0 rANS of an older train_gpt.py"):
+        tg.decompress(blob[:4] + b"\x02" + blob[5:])
 
 
 def test_rans_codes_scaled_rows_and_columns_below_their_order0_entropy():

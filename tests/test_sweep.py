@@ -228,6 +228,17 @@ def fake_run(tmp_path, name: str, lines: list[str], rc: int = 0, sleep: float = 
     return sw.Run(name, 1, 0, [], name, {"RUN_ID": name}, [sys.executable, "-c", code])
 
 
+def test_a_run_under_a_coder_set_in_the_environment_is_recoded(tmp_path, monkeypatch):
+    """COMPRESSOR from the sweep's environment reaches the runs: their bytes are not the default coder's."""
+    (tmp_path / "logs").mkdir()
+    monkeypatch.setenv("COMPRESSOR", "fast")
+    run = fake_run(tmp_path, "envfast", [line.format(ttt="False") for line in SCORED])
+    assert sw.coder_setting(run) == "fast"
+    assert sw.coder_setting(sw.Run("x", 1, 0, [], "x", {"COMPRESSOR": "auto"}, [])) == "auto"  # a variant's wins
+    sw.Executor(None, tmp_path, None, 1).run_slot([run])
+    assert run.ok and "bytes_auto" not in run.metrics  # its bytes are zstd-3's, not the default coder's
+
+
 @pytest.mark.parametrize("lines, rc, ok, why", [
     (SCORED, 0, True, None),
     (SCORED + ["ERROR submission_over_limit total:1000 limit:900 over_by:100"], 1, True, None),

@@ -270,9 +270,10 @@ class Executor:
             for line in proc.stdout:
                 out.write(line)
                 t = time.monotonic() - t0
-                if line.startswith("Serialized model int6+") and run.settings.get("COMPRESSOR", "auto") != "auto":
+                if line.startswith("Serialized model int6+") and coder_setting(run) != "auto":
                     # written and closed before this line: recode it while the run scores it
-                    self.recoded[run.run_id] = self.coder.submit(self.auto_size, self.cwd / run.settings["ARTIFACT_PATH"])
+                    artifact = self.cwd / run.settings["ARTIFACT_PATH"]
+                    self.recoded[run.run_id] = self.coder.submit(self.default_coder_size, artifact)
                 for _, marker, which in PHASES:
                     if line.startswith(marker) and (which == "last" or marker not in marks):
                         marks[marker] = t
@@ -286,7 +287,7 @@ class Executor:
         collect(run, self.cwd, out_path, timed_out=bool(timer) and run.wall_s >= self.run_timeout)
         return True
 
-    def auto_size(self, artifact: Path) -> int:
+    def default_coder_size(self, artifact: Path) -> int:
         """The artifact's size had the run used the default coder (COMPRESSOR=auto), as a record would."""
         return len(self.tg.compress(self.tg.decompress(artifact.read_bytes()), "auto")[0])
 
@@ -329,6 +330,11 @@ def phase_times(marks: dict[str, float], wall_s: float) -> dict[str, float]:
     return out
 
 
+def coder_setting(run: Run) -> str:
+    """The run's COMPRESSOR: its variant's, else the sweep's environment's (the runs inherit it), else auto."""
+    return run.settings.get("COMPRESSOR", os.environ.get("COMPRESSOR", "auto"))
+
+
 def collect(run: Run, cwd: Path, out_path: Path, timed_out: bool) -> None:
     """Final metrics from the script's own log. A run counts when it exited 0 with its last score logged, or
     exited 1 only because its artifact is over the size limit (the table's bytes columns show by how much)."""
@@ -356,7 +362,7 @@ def collect(run: Run, cwd: Path, out_path: Path, timed_out: bool) -> None:
         m["step_avg_ms"] = float(log.events["train_done"]["step_avg"].removesuffix("ms"))
     if log.total_bytes is not None:
         m["bytes"], m["code_bytes"] = float(log.total_bytes), float(log.code_bytes)
-        if run.settings.get("COMPRESSOR", "auto") == "auto":  # already the default coder
+        if coder_setting(run) == "auto":  # already the default coder
             m["bytes_auto"] = m["bytes"]
     if log.peak_mib is not None:
         m["peak_alloc_mib"], m["peak_reserved_mib"] = map(float, log.peak_mib)
