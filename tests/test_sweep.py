@@ -233,8 +233,8 @@ def test_a_run_under_a_coder_set_in_the_environment_is_recoded(tmp_path, monkeyp
     (tmp_path / "logs").mkdir()
     monkeypatch.setenv("COMPRESSOR", "fast")
     run = fake_run(tmp_path, "envfast", [line.format(ttt="False") for line in SCORED])
-    assert sw.coder_setting(run) == "fast"
-    assert sw.coder_setting(sw.Run("x", 1, 0, [], "x", {"COMPRESSOR": "auto"}, [])) == "auto"  # a variant's wins
+    assert sw.coder_setting(run.settings) == "fast"
+    assert sw.coder_setting({"COMPRESSOR": "auto"}) == "auto"  # a variant's own setting wins
     sw.Executor(None, tmp_path, None, 1).run_slot([run])
     assert run.ok and "bytes_auto" not in run.metrics  # its bytes are zstd-3's, not the default coder's
 

@@ -60,8 +60,8 @@ class Preset:
 
 # The proxy quality benchmark of ../shared/docs/REFERENCE.md with accumulation 1 (same math, faster), all 8
 # proxy train shards. COMPRESSOR=fast: xz took 36 s of each run, zstd-3 0.2 s (the coder is lossless; the
-# runner reports the default coder's size as bytes_auto, coded on the CPU while the GPU goes on). TRAIN_LOG_EVERY=100 only
-# adds points to the loss curves.
+# runner reports the default coder's size as bytes_auto, coded on the CPU while the GPU goes on).
+# TRAIN_LOG_EVERY=100 only adds points to the loss curves.
 PQB = ("TRAIN_BATCH_TOKENS=131072 WARMDOWN_ITERS=750 MUON_MOMENTUM_WARMUP_STEPS=400 VAL_LOSS_EVERY=0 "
        "EVAL_STRIDE=64 GRAD_ACCUM_STEPS=1 COMPRESSOR=fast TRAIN_LOG_EVERY=100")
 PRESETS = {
@@ -127,6 +127,11 @@ def load_script(path: Path):
     return module
 
 
+def coder_setting(settings: dict[str, str]) -> str:
+    """A run's COMPRESSOR: its variant's, else the sweep's environment's (the runs inherit it), else auto."""
+    return settings.get("COMPRESSOR", os.environ.get("COMPRESSOR", "auto"))
+
+
 def check_settings(tg, name: str, settings: dict[str, str], world_size: int) -> None:
     """Refuse what the script would refuse, and what it would silently ignore: a key that is neither one of
     its settings nor an environment variable of a library it uses (TORCH*, CUDA*, NCCL*, ...)."""
@@ -138,9 +143,9 @@ def check_settings(tg, name: str, settings: dict[str, str], world_size: int) -> 
             raise SweepError(f"variant {name}: {key} is ignored by train_gpt.py (a dropped reference setting)")
         close = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.0)
         raise SweepError(f"variant {name}: unknown setting {key}; closest valid setting: {close[0]}")
-    if settings.get("COMPRESSOR", os.environ.get("COMPRESSOR")) in ("zstd", "fast") and tg._zstd() is None:
-        raise SweepError(f"variant {name}: COMPRESSOR={settings.get('COMPRESSOR', os.environ.get('COMPRESSOR'))} "
-                         "needs the zstandard package, which this Python lacks")
+    if coder_setting(settings) in ("zstd", "fast") and tg._zstd() is None:
+        raise SweepError(f"variant {name}: COMPRESSOR={coder_setting(settings)} needs the zstandard package, which "
+                         "this Python lacks")
     try:
         cfg, _ = tg.Hyperparameters.from_env(settings | {"RUN_ID": "check"})
         if hasattr(tg, "grad_accum_steps"):  # a --script from before 2026-11-23 has no such function: not checked
@@ -270,7 +275,7 @@ class Executor:
             for line in proc.stdout:
                 out.write(line)
                 t = time.monotonic() - t0
-                if line.startswith("Serialized model int6+") and coder_setting(run) != "auto":
+                if line.startswith("Serialized model int6+") and coder_setting(run.settings) != "auto":
                     # written and closed before this line: recode it while the run scores it
                     artifact = self.cwd / run.settings["ARTIFACT_PATH"]
                     self.recoded[run.run_id] = self.coder.submit(self.default_coder_size, artifact)
@@ -297,7 +302,8 @@ class Executor:
                 try:
                     run.metrics["bytes_auto"] = float(self.recoded[run.run_id].result() + run.metrics["code_bytes"])
                 except Exception as e:  # noqa: BLE001  (the column stays empty for this run)
-                    print(f"sweep: warning: COMPRESSOR=auto coding of {run.run_id}'s artifact failed: {e!r}", file=sys.stderr)
+                    print(f"sweep: warning: COMPRESSOR=auto coding of {run.run_id}'s artifact failed: {e!r}",
+                          file=sys.stderr)
 
     def stop(self) -> None:
         with self.lock:
@@ -330,11 +336,6 @@ def phase_times(marks: dict[str, float], wall_s: float) -> dict[str, float]:
     return out
 
 
-def coder_setting(run: Run) -> str:
-    """The run's COMPRESSOR: its variant's, else the sweep's environment's (the runs inherit it), else auto."""
-    return run.settings.get("COMPRESSOR", os.environ.get("COMPRESSOR", "auto"))
-
-
 def collect(run: Run, cwd: Path, out_path: Path, timed_out: bool) -> None:
     """Final metrics from the script's own log. A run counts when it exited 0 with its last score logged, or
     exited 1 only because its artifact is over the size limit (the table's bytes columns show by how much)."""
@@ -362,7 +363,7 @@ def collect(run: Run, cwd: Path, out_path: Path, timed_out: bool) -> None:
         m["step_avg_ms"] = float(log.events["train_done"]["step_avg"].removesuffix("ms"))
     if log.total_bytes is not None:
         m["bytes"], m["code_bytes"] = float(log.total_bytes), float(log.code_bytes)
-        if coder_setting(run) == "auto":  # already the default coder
+        if coder_setting(run.settings) == "auto":  # already the default coder
             m["bytes_auto"] = m["bytes"]
     if log.peak_mib is not None:
         m["peak_alloc_mib"], m["peak_reserved_mib"] = map(float, log.peak_mib)
