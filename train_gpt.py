@@ -59,7 +59,8 @@ GENERIC_WORDS = {"MAX", "NUM", "RUN", "DATA", "MODEL", "HEAD", "DEVICE", "LOCAL"
 CHOICES = {"compressor": ("auto", "zstd", "lzma", "fast", "rans"), "compile_enabled": ("auto", "0", "1"),
            "attn_backend": ("auto", "fa3", "flash", "cudnn", "math"), "muon_reduce_dtype": ("auto", "bf16", "fp32"),
            "device": ("auto", "cuda", "cpu"), "train_sampling": ("sequential", "coprime"),
-           "kernels": ("auto", "triton", "torch"), "cuda_graphs": ("auto", "0", "1")}
+           "kernels": ("auto", "triton", "torch"), "cuda_graphs": ("auto", "0", "1"),
+           "parallel_final_lane": ("mean", "attn", "mlp")}
 
 
 # Value ranges, checked before anything runs (a zero head count or a negative learning rate is a typo, not a run).
@@ -72,13 +73,14 @@ NON_NEGATIVE = ("iterations", "warmup_steps", "warmdown_iters", "max_wallclock_s
                 "muon_wd", "adam_wd", "grad_clip_norm", "ema_horizon", "late_qat_threshold", "val_loss_every",
                 "train_log_every", "checkpoint_every", "ttt_lr", "ttt_epochs", "ttt_freeze_blocks",
                 "matrix_clip_sigmas", "mlp_clip_sigmas", "attn_clip_sigmas", "gptq_calibration_batches",
-                "gptq_reserve_seconds")
+                "gptq_reserve_seconds", "num_loops", "loop_start", "loop_end", "parallel_start_layer")
 FRACTIONS = ("muon_momentum", "muon_momentum_warmup_start", "beta1", "beta2", "ema_decay", "ttt_momentum",
-             "auto_size")
+             "auto_size", "enable_looping_at")
 # The settings that define the model's function: stored in every artifact (EVAL_ONLY builds the model from them).
 MODEL_SETTINGS = ("vocab_size", "num_layers", "model_dim", "num_heads", "num_kv_heads", "mlp_mult",
                   "mlp_negative_slope", "tie_embeddings", "rope_base", "rope_dims", "logit_softcap", "ln_scale",
-                  "xsa_last_n", "bigram_vocab_size", "bigram_dim", "smear_enabled", "ve_enabled", "ve_dim", "ve_layers")
+                  "xsa_last_n", "bigram_vocab_size", "bigram_dim", "smear_enabled", "ve_enabled", "ve_dim", "ve_layers",
+                  "num_loops", "loop_start", "loop_end", "parallel_start_layer", "parallel_final_lane")
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,12 @@ class Hyperparameters:
     ve_enabled: bool = True  # shared value embedding added to V
     ve_dim: int = 128  # value-embedding table width (projected to the KV width)
     ve_layers: str = "9,10"  # comma-separated layer indices
+    num_loops: int = 0  # depth recurrence: layers LOOP_START..LOOP_END run NUM_LOOPS more times, same weights (0 = off)
+    loop_start: int = 3  # first layer of the looped segment
+    loop_end: int = 5  # last layer of the looped segment (inclusive)
+    enable_looping_at: float = 0.35  # training progress at which the repeats start (scoring always runs them)
+    parallel_start_layer: int = 8  # decoder layers from this one on: two residual lanes (0 = off; past the depth: none)
+    parallel_final_lane: str = "mean"  # what leaves the two lanes: mean | attn | mlp (that lane)
     attn_backend: str = "auto"  # auto = fa3 if importable, else SDPA cudnn (CUDA) / math (CPU)
     kernels: str = "auto"  # q/k norm+RoPE+gain, XSA, soft-capped cross entropy: auto = triton on CUDA, torch ops on CPU (triton there needs TRITON_INTERPRET=1)
     # --- optimizer
@@ -219,6 +227,13 @@ class Hyperparameters:
              f"malformed value for VE_LAYERS: {self.ve_layers!r} (expected comma-separated layer indices)")
         need(all(0 <= i < self.num_layers for i in self.ve_layer_list), "VE_LAYERS outside 0..NUM_LAYERS-1")
         need(not self.ema_enabled or self.ema_horizon > 0 or self.ema_decay > 0, "EMA_HORIZON must be > 0 (or set EMA_DECAY)")
+        need(self.num_loops == 0 or self.loop_start <= self.loop_end < self.num_layers,
+             "LOOP_START..LOOP_END must be layers in 0..NUM_LAYERS-1 (with NUM_LOOPS > 0)")
+        for looping in (False, True):  # once two lanes, always two: a serial layer after them has no one residual
+            order = layer_order(self, looping)
+            lanes = [i >= self.parallel_start for i in order[len(order) // 2:]]
+            need(lanes == sorted(lanes), f"PARALLEL_START_LAYER={self.parallel_start_layer} puts a serial layer "
+                 f"after a parallel one in the decoder {order[len(order) // 2:]}")
         need(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
         need(self.max_wallclock_seconds == 0 or self.gptq_reserve_seconds < self.max_wallclock_seconds,
              "GPTQ_RESERVE_SECONDS must be below MAX_WALLCLOCK_SECONDS")
@@ -229,6 +244,12 @@ class Hyperparameters:
     @property
     def head_dim(self) -> int:
         return self.model_dim // self.num_heads
+
+    @property
+    def parallel_start(self) -> int:
+        """The first parallel layer; NUM_LAYERS when there is none (off, or the default past a shallow model's depth)."""
+        P = self.parallel_start_layer
+        return P if 0 < P < self.num_layers else self.num_layers
 
     @property
     def ve_layer_list(self) -> list[int]:
@@ -283,6 +304,16 @@ EMBED_TABLES = ("tok_emb.weight", "bigram.embed.weight", "ve.embed.weight")
 def layer_matrix(banks: dict[str, Tensor], name: str, i: int, num_layers: int) -> Tensor:
     bank, slot = MATRICES[name]
     return banks[bank][slot * num_layers + i]
+
+
+def layer_order(cfg: Hyperparameters, looping: bool) -> list[int]:
+    """The layer run at each position of the stack; its first half is the U-Net encoder. Looping, the segment
+    LOOP_START..LOOP_END runs 1 + NUM_LOOPS times (the 2026-04-27 record: 11 layers, 3..5 three times, 17
+    positions)."""
+    L, a, b = cfg.num_layers, cfg.loop_start, cfg.loop_end
+    if not (looping and cfg.num_loops > 0):
+        return list(range(L))
+    return list(range(a)) + list(range(a, b + 1)) * (cfg.num_loops + 1) + list(range(b + 1, L))
 
 
 # =============================================================================================
@@ -1005,6 +1036,7 @@ class GPT(nn.Module):
         L, D, V = cfg.num_layers, cfg.model_dim, cfg.vocab_size
         kv_dim = cfg.num_kv_heads * cfg.head_dim
         self.cfg, self.attn_backend, self.ops, self.qat_enabled = cfg, attn_backend, ops, False
+        self.looping = cfg.num_loops > 0  # the loop's repeats run (training switches them on at ENABLE_LOOPING_AT)
         self.hessians: dict | None = None  # GPTQ calibration: {(matrix, layer): sum of X^T X of its input}
         self.tok_emb = nn.Embedding(V, D)
         mlp = int(round(cfg.mlp_mult * D, 6))  # float-exact: 61 * 64 / 448 * 448 is 3903.99...
@@ -1015,8 +1047,12 @@ class GPT(nn.Module):
         rope = rope_tables(max(cfg.train_seq_len, cfg.eval_seq_len), cfg.rope_dims, cfg.rope_base)
         self.register_buffer("rope_cos", rope[0], persistent=False)  # not in state_dict or the artifact
         self.register_buffer("rope_sin", rope[1], persistent=False)
-        self.num_encoder = L // 2  # U-Net: first half pushes skips, second half pops them
-        self.skip_weights = nn.Parameter(torch.ones(min(self.num_encoder, L - self.num_encoder), D))
+        # U-Net: the first half of the positions pushes skips, the second pops them (weights for the longest order)
+        n = len(layer_order(cfg, True))
+        self.skip_weights = nn.Parameter(torch.ones(min(n // 2, n - n // 2), D))
+        if cfg.parallel_start < L:  # per parallel layer: lane decays (attn, mlp), and [source, lane] scales
+            self.parallel_resid = nn.Parameter(torch.full((L - cfg.parallel_start, 2), 1.1))
+            self.parallel_post = nn.Parameter(torch.ones(L - cfg.parallel_start, 2, 2))
         if cfg.bigram_vocab_size > 0:  # BigramHash (PR #162 lineage)
             self.bigram = nn.Module()
             self.bigram.embed = nn.Embedding(cfg.bigram_vocab_size, cfg.bigram_dim)
@@ -1089,13 +1125,10 @@ class GPT(nn.Module):
         if T > self.rope_cos.size(0):
             raise ValueError(f"sequence length {T} > max(TRAIN_SEQ_LEN, EVAL_SEQ_LEN) = {self.rope_cos.size(0)}")
         H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        for i, blk in enumerate(self.blocks):
-            w = {name: layer_matrix(banks, name, i, L) for name in MATRICES}
-            if i >= self.num_encoder and skips:
-                x = x + self.skip_weights[i - self.num_encoder].to(x.dtype) * skips.pop()
-            ln = 1.0 / math.sqrt(i + 1) if cfg.ln_scale else 1.0
-            mix = blk.resid_mix.to(x.dtype)
-            x = mix[0] * x + mix[1] * x0
+        lns = [1.0 / math.sqrt(i + 1) if cfg.ln_scale else 1.0 for i in range(L)]  # by layer, not position
+
+        def attn(i: int, x: Tensor) -> Tensor:  # layer i's attention of its input x (pre-norm), scaled
+            blk, w, ln = self.blocks[i], {n: layer_matrix(banks, n, i, L) for n in MATRICES}, lns[i]
             h = self.observe(("attn.q", "attn.k", "attn.v"), i, rms_norm(x) * ln)
             # one GEMM for q|k|v (1.6-1.9 ms per record step less than three, in three same-call A/Bs)
             qkv = F.linear(h, torch.cat((w["attn.q"], w["attn.k"], w["attn.v"])))
@@ -1109,12 +1142,39 @@ class GPT(nn.Module):
             if i >= L - cfg.xsa_last_n:
                 y = self.ops.xsa(y, v)
             y = self.observe(("attn.o",), i, y.reshape(B, T, H * hd))
-            x = x + blk.attn_scale.to(x.dtype) * F.linear(y, w["attn.o"])
-            u = F.linear(self.observe(("mlp.up",), i, rms_norm(x) * ln), w["mlp.up"])
+            return blk.attn_scale.to(x.dtype) * F.linear(y, w["attn.o"])
+
+        def mlp(i: int, x: Tensor) -> Tensor:
+            u = F.linear(self.observe(("mlp.up",), i, rms_norm(x) * lns[i]), layer_matrix(banks, "mlp.up", i, L))
             u = F.leaky_relu(u, cfg.mlp_negative_slope) if cfg.mlp_negative_slope > 0 else F.relu(u)
-            x = x + blk.mlp_scale.to(x.dtype) * F.linear(self.observe(("mlp.down",), i, u.square()), w["mlp.down"])
-            if i < self.num_encoder:
+            u = self.observe(("mlp.down",), i, u.square())
+            return self.blocks[i].mlp_scale.to(x.dtype) * F.linear(u, layer_matrix(banks, "mlp.down", i, L))
+
+        order, P = layer_order(cfg, self.looping), cfg.parallel_start
+        n_enc, lanes = len(order) // 2, None  # lanes: (attention's, MLP's) from the first parallel layer on
+        for pos, i in enumerate(order):
+            if pos >= n_enc and i >= P and lanes is None:
+                lanes = (x, x)
+            if pos >= n_enc and skips:
+                skip = self.skip_weights[pos - n_enc].to(x.dtype) * skips.pop()
+                if lanes is None:
+                    x = x + skip
+                else:  # into the attention's lane
+                    lanes = (lanes[0] + skip, lanes[1])
+            mix = self.blocks[i].resid_mix.to(x.dtype)
+            if lanes is None:  # serial: attention, then the MLP reads its result
+                x = mix[0] * x + mix[1] * x0
+                x = x + attn(i, x)
+                x = x + mlp(i, x)
+            else:  # parallel (2026-03-31 record): both read their own lane, both write both lanes
+                a, m = attn(i, mix[0] * lanes[0] + mix[1] * x0), mlp(i, lanes[1])
+                r, post = self.parallel_resid[i - P].to(x.dtype), self.parallel_post[i - P].to(x.dtype)
+                lanes = (r[0] * lanes[0] + post[0, 0] * a + post[1, 0] * m,
+                         r[1] * lanes[1] + post[0, 1] * a + post[1, 1] * m)
+            if pos < n_enc:
                 skips.append(x)
+        if lanes is not None:
+            x = {"mean": 0.5 * (lanes[0] + lanes[1]), "attn": lanes[0], "mlp": lanes[1]}[cfg.parallel_final_lane]
         return rms_norm(x)
 
     def observe(self, names: tuple[str, ...], i: int, x_BTC: Tensor) -> Tensor:
@@ -2256,15 +2316,17 @@ class Trainer:
         self.opt = Optimizers(model, cfg, rt)
         self.fwd = compiled(model, rt)
         self.graphed = self.opt.keep_grads = rt.cuda_graphs  # graphs accumulate into fixed .grad
-        self.graphs: dict[bool, tuple] = {}  # model.qat_enabled -> (graph, static x, static y, static loss)
-        self.clock = dict(step=0, train_ms=0.0, progress=0.0, qat=False)  # where train() starts (resumed: saved)
+        self.graphs: dict[tuple, tuple] = {}  # self.variant() -> (graph, static x, static y, static loss)
+        # where train() starts (resumed: the saved clock); the loop's repeats start off
+        self.clock = dict(step=0, train_ms=0.0, progress=0.0, qat=False, loop=False)
+        model.looping = False
         self.ckpt_path, self.signal = Path("logs") / f"{cfg.run_id}.ckpt", 0
 
     def fwd_bwd(self, x: Tensor, y: Tensor) -> Tensor:
         """One micro-batch: forward, backward (gradients accumulate); returns its loss."""
         if not self.graphed:
             return self._fwd_bwd(x, y)
-        graph, sx, sy, loss = self.graphs.get(self.model.qat_enabled) or self._capture(x, y)
+        graph, sx, sy, loss = self.graphs.get(self.variant()) or self._capture(x, y)
         sx.copy_(x)
         sy.copy_(y)
         graph.replay()
@@ -2299,8 +2361,19 @@ class Trainer:
         with torch.cuda.graph(graph, pool=shared, capture_error_mode="thread_local"):
             loss = self._fwd_bwd(sx, sy)
         torch._foreach_zero_([p.grad for p in params])
-        self.graphs[self.model.qat_enabled] = (graph, sx, sy, loss)
-        return self.graphs[self.model.qat_enabled]
+        self.graphs[self.variant()] = (graph, sx, sy, loss)
+        return self.graphs[self.variant()]
+
+    def variant(self) -> tuple[bool, bool]:
+        """What a model's compiled code and CUDA graph depend on: (looping, qat)."""
+        return self.model.looping, self.model.qat_enabled
+
+    def variants(self) -> list[tuple[bool, bool]]:
+        """The variants the timed loop runs, in order: the repeats (at ENABLE_LOOPING_AT), then late QAT; an
+        earlier QAT brings the repeats forward (it tunes the final model to the grid), so none is skipped."""
+        loops, qat, at = self.cfg.num_loops > 0, self.cfg.late_qat_threshold > 0, self.cfg.enable_looping_at
+        out = [(loops and at == 0, False)] + [(True, False)] * (loops and at > 0)
+        return out + [(loops, True)] * qat
 
     def step(self, step: int, lr_scale: float) -> Tensor:
         """One optimizer step over the global batch; returns this rank's mean micro-batch loss."""
@@ -2314,16 +2387,17 @@ class Trainer:
 
     def warmup(self) -> None:
         """Compile (and fill caches) on real steps, then restore weights, optimizer state and data
-        position exactly. With late QAT on, the last warmup step compiles the QAT variant too, so the
-        switch inside the timed window costs no recompile."""
-        cfg = self.cfg
+        position exactly. The last warmup steps compile the later variants (the loop's repeats, late QAT),
+        so their switches inside the timed window cost no recompile."""
+        cfg, variants = self.cfg, self.variants()
         if cfg.warmup_steps <= 0:
             return
-        if cfg.late_qat_threshold > 0 and cfg.warmup_steps < 2:
-            self.log("warning WARMUP_STEPS < 2: the late-QAT variant will compile (and capture) inside the timed window")
+        if cfg.warmup_steps < len(variants):
+            self.log(f"warning WARMUP_STEPS < {len(variants)}: the (looping, qat) variants "
+                     f"{variants[cfg.warmup_steps:]} will compile (and capture) inside the timed window")
         saved = copy.deepcopy(self.state(None, self.clock))
-        for i in range(cfg.warmup_steps):
-            self.model.qat_enabled = cfg.late_qat_threshold > 0 and cfg.warmup_steps >= 2 and i == cfg.warmup_steps - 1
+        plan = (variants[:1] * (cfg.warmup_steps - len(variants)) + variants)[:cfg.warmup_steps]
+        for i, (self.model.looping, self.model.qat_enabled) in enumerate(plan):
             self.step(i, 1.0)
             self.log(f"warmup_step:{i + 1}/{cfg.warmup_steps}")
         self.load(saved, None)
@@ -2387,6 +2461,10 @@ class Trainer:
                 if cfg.late_qat_threshold > 0 and lr_scale < cfg.late_qat_threshold and not self.model.qat_enabled:
                     self.model.qat_enabled = True
                     log(f"late_qat:enabled step:{step} lr_scale:{lr_scale:.4f}")
+                if cfg.num_loops > 0 and not self.model.looping and (progress >= cfg.enable_looping_at
+                                                                     or self.model.qat_enabled):
+                    self.model.looping = True
+                    log(f"layer_loop:enabled step:{step} progress:{progress:.3f} layers:{layer_order(cfg, True)}")
                 try:
                     loss = self.step(step, lr_scale)
                 except ShardError as e:  # raised before the step's work: keep what was trained
@@ -2456,11 +2534,12 @@ class Trainer:
         torch.set_rng_state(state["rng"])
         if state["cuda_rng"] is not None and self.rt.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"], self.rt.device)
-        self.clock, self.model.qat_enabled = state["clock"], state["clock"]["qat"]
+        self.clock = state["clock"]
+        self.model.qat_enabled, self.model.looping = self.clock["qat"], self.clock["loop"]
 
     def save_checkpoint(self, ema: EMA | None, clock: dict) -> None:
         t0 = now_ms(HOST)
-        state = self.state(ema, dict(clock, qat=self.model.qat_enabled))
+        state = self.state(ema, dict(clock, qat=self.model.qat_enabled, loop=self.model.looping))
         if self.rt.is_main:
             buf = io.BytesIO()
             torch.save(state, buf)
@@ -2558,6 +2637,9 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
 
     model = build_model(cfg, rt)
     log(f"model_params:{sum(p.numel() for p in model.parameters())}")
+    P, L = cfg.parallel_start_layer, cfg.num_layers
+    log(f"layers order:{layer_order(cfg, True)} parallel:{list(range(cfg.parallel_start, L)) or 'none'}"
+        + (f" (PARALLEL_START_LAYER={P} is past NUM_LAYERS={L})" if P >= L else ""))
     train_ms = 0.0
     if not cfg.eval_only:
         files = shard_files(cfg.data_path, "train")
@@ -2574,6 +2656,7 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
         steps, train_ms, stopped_by = trainer.train(scorer, ema)
         if stopped_by:
             return 128 + stopped_by  # the shell's convention for a process ended by a signal
+        model.looping = cfg.num_loops > 0  # the trained function runs the repeats, however early training stopped
         log(f"train_done steps:{steps} train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms")
         if rt.device.type == "cuda":
             log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "

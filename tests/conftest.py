@@ -237,6 +237,11 @@ MODEL_CONFIGS = {
     # no GQA, full-width RoPE, no XSA, VE on layer 0
     "mha": dict(NUM_LAYERS=2, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=2, ROPE_DIMS=16, VOCAB_SIZE=64,
                 BIGRAM_VOCAB_SIZE=32, BIGRAM_DIM=8, VE_DIM=8, VE_LAYERS="0", XSA_LAST_N=0),
+    # depth recurrence (layers 1-2 twice: order 0 1 2 1 2 3 4, decoder 1 2 3 4) and two lanes from layer 3, VE on a
+    # looped layer, XSA on the last 3 (a looped one among them), the MLP lane out
+    "loop": dict(NUM_LAYERS=5, MODEL_DIM=32, NUM_HEADS=4, NUM_KV_HEADS=2, ROPE_DIMS=4, VOCAB_SIZE=64,
+                 BIGRAM_VOCAB_SIZE=64, BIGRAM_DIM=16, VE_DIM=16, VE_LAYERS="2,4", XSA_LAST_N=3, LOGIT_SOFTCAP=10,
+                 NUM_LOOPS=1, LOOP_START=1, LOOP_END=2, PARALLEL_START_LAYER=3, PARALLEL_FINAL_LANE="mlp"),
 }
 
 
@@ -244,7 +249,7 @@ def feature_model(name: str, seed: int = 0, backend: str = "math") -> tg.GPT:
     """A tiny GPT with non-zero random values everywhere (zero-initialised banks and tables included)."""
     cfg = make_cfg(**MODEL_CONFIGS[name])
     torch.manual_seed(seed)
-    model = tg.GPT(cfg, backend)
+    model = tg.GPT(cfg, backend)  # looping, when NUM_LOOPS > 0: the function scored and exported
     with torch.no_grad():
         for n, p in model.named_parameters():
             if p.ndim >= 2 and "emb" not in n and n != "skip_weights" and "resid_mix" not in n:

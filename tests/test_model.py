@@ -46,9 +46,25 @@ def xsa_reference(y_BTHD, v_BTKD) -> torch.Tensor:
     return torch.stack(out, dim=2)
 
 
+def unrolled_order(cfg, looping: bool) -> list[int]:
+    """The layer of each position, spelled out: 0..L-1, or with the segment repeated NUM_LOOPS more times."""
+    L = cfg.num_layers
+    if not (looping and cfg.num_loops):
+        return list(range(L))
+    order = []
+    for i in range(L):
+        order.append(i)
+        if i == cfg.loop_end:  # the segment again, NUM_LOOPS times
+            for _ in range(cfg.num_loops):
+                order.extend(range(cfg.loop_start, cfg.loop_end + 1))
+    return order
+
+
 class PlainGPT(nn.Module):
     """The seed model written per layer with nn.Linear modules, from REFERENCE.md's description; weights are
-    copied from a banked tg.GPT (bank slices -> Linear weights), optionally transformed (e.g. int6 quantised)."""
+    copied from a banked tg.GPT (bank slices -> Linear weights), optionally transformed (e.g. int6 quantised).
+    Depth recurrence is the explicitly unrolled layer list (shared modules); parallel residuals a two-lane loop
+    written out from the 2026-03-31 record's description."""
 
     def __init__(self, model: tg.GPT, transform=lambda w: w):
         super().__init__()
@@ -68,6 +84,7 @@ class PlainGPT(nn.Module):
             layer.up, layer.down = linear(model.mlp_up_bank[i]), linear(model.mlp_down_bank[i])
             self.layers.append(layer)
         self.p = {n: t.detach().clone() for n, t in model.named_parameters() if not n.endswith("_bank")}
+        self.order = unrolled_order(cfg, model.looping)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         c, p = self.cfg, self.p
@@ -83,16 +100,13 @@ class PlainGPT(nn.Module):
         if c.smear_enabled:
             g = torch.sigmoid(p["smear_gate"])
             x = (1 - g) * x + g * torch.cat((torch.zeros_like(x[:, :1]), x[:, :-1]), dim=1)
-        x0, skips, n_enc = x, [], L // 2
+        x0, skips, n_enc = x, [], len(self.order) // 2
         ve_layers = c.ve_layer_list
         ve = p["ve.scale"] * (p["ve.embed.weight"][ids] @ p["ve.proj.weight"].T) if ve_layers else None
         slope = c.mlp_negative_slope
-        for i, layer in enumerate(self.layers):
-            if i >= n_enc and skips:
-                x = x + p["skip_weights"][i - n_enc] * skips.pop()
-            mix = p[f"blocks.{i}.resid_mix"]
-            x = mix[0] * x + mix[1] * x0
-            s = 1 / math.sqrt(i + 1) if c.ln_scale else 1.0
+
+        def attention_out(i, x):  # layer i's scaled attention output for residual input x
+            layer, s = self.layers[i], 1 / math.sqrt(i + 1) if c.ln_scale else 1.0
             a = rms(x) * s
             q, k, v = layer.q(a).view(B, T, H, hd), layer.k(a).view(B, T, K, hd), layer.v(a)
             if i in ve_layers:
@@ -103,12 +117,39 @@ class PlainGPT(nn.Module):
             y = causal_attention_reference(q, k, v)
             if i >= L - c.xsa_last_n:
                 y = xsa_reference(y, v)
-            x = x + p[f"blocks.{i}.attn_scale"] * layer.o(y.reshape(B, T, D))
+            return p[f"blocks.{i}.attn_scale"] * layer.o(y.reshape(B, T, D))
+
+        def mlp_out(i, x):
+            layer, s = self.layers[i], 1 / math.sqrt(i + 1) if c.ln_scale else 1.0
             u = layer.up(rms(x) * s)
             u = torch.where(u > 0, u, slope * u) if slope > 0 else torch.clamp(u, min=0)
-            x = x + p[f"blocks.{i}.mlp_scale"] * layer.down(u * u)
-            if i < n_enc:
+            return p[f"blocks.{i}.mlp_scale"] * layer.down(u * u)
+
+        P = c.parallel_start_layer if 0 < c.parallel_start_layer < L else L
+        two_lanes = False
+        for pos, i in enumerate(self.order):
+            mix = p[f"blocks.{i}.resid_mix"]
+            if pos >= n_enc and i >= P and not two_lanes:  # the decoder's first parallel layer: x in both lanes
+                attn_lane, mlp_lane, two_lanes = x, x, True
+            if pos >= n_enc and skips:
+                if two_lanes:
+                    attn_lane = attn_lane + p["skip_weights"][pos - n_enc] * skips.pop()
+                else:
+                    x = x + p["skip_weights"][pos - n_enc] * skips.pop()
+            if two_lanes:
+                a = attention_out(i, mix[0] * attn_lane + mix[1] * x0)
+                m = mlp_out(i, mlp_lane)
+                resid, post = p["parallel_resid"][i - P], p["parallel_post"][i - P]
+                attn_lane, mlp_lane = (resid[0] * attn_lane + post[0, 0] * a + post[1, 0] * m,
+                                       resid[1] * mlp_lane + post[0, 1] * a + post[1, 1] * m)
+            else:
+                x = mix[0] * x + mix[1] * x0
+                x = x + attention_out(i, x)
+                x = x + mlp_out(i, x)
+            if pos < n_enc:
                 skips.append(x)
+        if two_lanes:
+            x = {"mean": (attn_lane + mlp_lane) / 2, "attn": attn_lane, "mlp": mlp_lane}[c.parallel_final_lane]
         logits = rms(x) @ (p["tok_emb.weight"] if c.tie_embeddings else p["lm_head.weight"]).T
         return c.logit_softcap * torch.tanh(logits / c.logit_softcap) if c.logit_softcap > 0 else logits
 
@@ -126,6 +167,36 @@ def test_banked_model_equals_plain_per_layer_model(name):
     assert want.abs().max() > 1.0  # logits far from trivial
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32
     torch.testing.assert_close(loss, F.cross_entropy(want.flatten(0, 1), targets.flatten()), rtol=1e-5, atol=1e-6)
+
+
+def test_loop_config_before_its_repeats_start_equals_plain_model():
+    """Training runs the looped model without its repeats until ENABLE_LOOPING_AT: the same weights, order 0..L-1
+    (U-Net over 5 positions), two lanes from layer 3 still."""
+    model = feature_model("loop")
+    model.looping = False
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 32), generator=g)
+    ref = PlainGPT(model)
+    assert ref.order == [0, 1, 2, 3, 4]
+    with torch.no_grad():
+        got, want, looped = model.logits(ids), ref(ids), PlainGPT(feature_model("loop"))(ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (looped - want).abs().max() > 1e-2  # the repeats change the function
+
+
+def test_record_loop_order_and_parameter_shapes():
+    """The 2026-04-27 record's settings (FRONTIER.md 2.4): encoder 0 1 2 3 4 5 3 4, decoder 5 3 4 5 6 7 8 9 10, 8 skip
+    weights; lanes in layers 8-10. Features off: the parameters of the model before them."""
+    cfg = make_cfg(NUM_LOOPS=2, LOOP_START=3, LOOP_END=5, PARALLEL_START_LAYER=8)
+    order = tg.layer_order(cfg, True)
+    assert order == unrolled_order(cfg, True) and len(order) == 17
+    assert (order[:8], order[8:]) == ([0, 1, 2, 3, 4, 5, 3, 4], [5, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert tg.layer_order(cfg, False) == list(range(11))
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in tg.GPT(cfg).named_parameters()}
+        off = {n: tuple(p.shape) for n, p in tg.GPT(make_cfg(PARALLEL_START_LAYER=0)).named_parameters()}
+    assert (shapes["skip_weights"], shapes["parallel_resid"], shapes["parallel_post"]) == ((8, 512), (3, 2), (3, 2, 2))
+    assert off["skip_weights"] == (5, 512) and set(shapes) - set(off) == {"parallel_resid", "parallel_post"}
 
 
 def test_rope_tables_cover_the_longest_sequence_and_refuse_longer():

@@ -24,6 +24,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # 7. Warmup restore
 # =============================================================================================
 
+LOOPS = dict(NUM_LOOPS=1, LOOP_START=0, LOOP_END=1)  # the tiny model's 2 layers twice: order 0 1 0 1
+
+
 def make_trainer(dataset, tokenizer_path, log=None, device=CPU, **overrides) -> tg.Trainer:
     settings = dict(DEVICE=device.type, COMPILE_ENABLED="0", ATTN_BACKEND="math") | overrides
     cfg, _ = tg.Hyperparameters.from_env(tiny_env(dataset, tokenizer_path, **settings))
@@ -80,6 +83,27 @@ def test_warmup_restores_weights_optimizer_and_data(dataset, tokenizer_path, mon
     assert tr.opt.muon.pending == []
 
 
+@pytest.mark.parametrize("at, steps, want", [
+    (0.35, 4, [(False, False), (False, False), (True, False), (True, True)]),  # repeats, then late QAT
+    (0.0, 4, [(True, False)] * 3 + [(True, True)]),  # the repeats from the start: two variants
+    (0.35, 2, [(False, False), (True, False)]),  # too few steps: the first variants, and a warning
+])
+def test_warmup_compiles_each_variant_the_timed_loop_will_run(dataset, tokenizer_path, monkeypatch, at, steps, want):
+    lines = []
+    tr = make_trainer(dataset, tokenizer_path, log=lines.append, WARMUP_STEPS=steps, LATE_QAT_THRESHOLD=0.15,
+                      ENABLE_LOOPING_AT=at, **LOOPS)
+    seen, real_step = [], tg.Trainer.step
+
+    def spy(self, step, lr_scale):
+        seen.append(self.variant())
+        return real_step(self, step, lr_scale)
+    monkeypatch.setattr(tg.Trainer, "step", spy)
+    tr.warmup()
+    assert seen == want
+    assert tr.variant() == (False, False)  # restored: train() switches the repeats on at ENABLE_LOOPING_AT
+    assert any("will compile (and capture) inside the timed window" in x for x in lines) == (steps < 3)
+
+
 def test_training_after_warmup_equals_training_without(dataset, tokenizer_path):
     a = make_trainer(dataset, tokenizer_path, WARMUP_STEPS=3)
     b = make_trainer(dataset, tokenizer_path, WARMUP_STEPS=3)
@@ -97,22 +121,22 @@ def test_cuda_graphs_need_cuda(dataset, tokenizer_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_train_exactly_as_eager(dataset, tokenizer_path):
-    """Warmup (it captures the plain and the late-QAT variant), then steps with and without QAT: losses and
+    """Warmup (it captures the plain, the looped and the late-QAT variant), then steps through them: losses and
     weights bit-identical to the same run without graphs; the .grad buffers are never replaced."""
     cuda = torch.device("cuda")
-    runs = [make_trainer(dataset, tokenizer_path, device=cuda, CUDA_GRAPHS=g, WARMUP_STEPS=2, LATE_QAT_THRESHOLD=0.15)
-            for g in (1, 0)]
+    runs = [make_trainer(dataset, tokenizer_path, device=cuda, CUDA_GRAPHS=g, WARMUP_STEPS=3, LATE_QAT_THRESHOLD=0.15,
+                         **LOOPS) for g in (1, 0)]
     losses = []
     for tr in runs:
         tr.warmup()
         buffers = [p.grad for p in tr.model.parameters()]
         out = []
-        for s in range(4):
-            tr.model.qat_enabled = s >= 2
+        for s in range(6):
+            tr.model.looping, tr.model.qat_enabled = s >= 2, s >= 4
             out.append(tr.step(s, 1.0).item())
         losses.append(out)
         if tr.graphed:
-            assert sorted(tr.graphs) == [False, True]
+            assert sorted(tr.graphs) == [(False, False), (True, False), (True, True)]
             assert all(a is b for a, b in zip(buffers, (p.grad for p in tr.model.parameters())))
     assert losses[0] == losses[1]
     assert_same(dict(runs[0].model.state_dict()), dict(runs[1].model.state_dict()), "weights")
@@ -166,7 +190,7 @@ def _run_with_fake_clock(dataset, tokenizer_path, monkeypatch, step_ms, ema_ms, 
     tr = make_trainer(dataset, tokenizer_path, log=lines.append, **overrides)
 
     def fake_step(step, lr_scale):
-        record.append((step, lr_scale, tr.model.qat_enabled))
+        record.append((step, lr_scale, tr.model.qat_enabled, tr.model.looping))
         clock.ms += step_ms
         return torch.tensor(1.0)
 
@@ -216,6 +240,34 @@ def test_iteration_mode_runs_all_steps_with_warmdown(dataset, tokenizer_path, mo
     assert [r[1] for r in record] == pytest.approx([1] * 7 + [0.75, 0.5, 0.25], abs=1e-12)
     assert not any(r[2] for r in record)  # LATE_QAT_THRESHOLD=0: never
     assert deltas == pytest.approx([0.1] * 10, abs=1e-12)  # progress by iteration: 1/ITERATIONS each
+
+
+def test_the_repeats_start_at_enable_looping_at_or_with_late_qat(dataset, tokenizer_path, monkeypatch):
+    # progress by iteration: before step k it is k/10, so ENABLE_LOOPING_AT=0.35 starts the repeats at step 4
+    _, _, lines, record, _ = _run_with_fake_clock(dataset, tokenizer_path, monkeypatch, 7.0, 0.0, ITERATIONS=10,
+                                                  LATE_QAT_THRESHOLD=0, ENABLE_LOOPING_AT=0.35, **LOOPS)
+    assert [r[3] for r in record] == [False] * 4 + [True] * 6
+    assert "layer_loop:enabled step:4 progress:0.400 layers:[0, 1, 0, 1]" in lines
+    # late QAT at step 8 (lr scale 0.5 < 0.6) brings them forward from 0.95: QAT tunes the final function
+    _, _, lines, record, _ = _run_with_fake_clock(dataset, tokenizer_path, monkeypatch, 7.0, 0.0, ITERATIONS=10,
+                                                  WARMDOWN_ITERS=4, LATE_QAT_THRESHOLD=0.6, ENABLE_LOOPING_AT=0.95,
+                                                  **LOOPS)
+    assert [(r[2], r[3]) for r in record] == [(False, False)] * 8 + [(True, True)] * 2
+    # off: never
+    _, _, _, record, _ = _run_with_fake_clock(dataset, tokenizer_path, monkeypatch, 7.0, 0.0, ITERATIONS=10)
+    assert not any(r[3] for r in record)
+
+
+def test_a_checkpoint_keeps_whether_the_repeats_run(dataset, tokenizer_path, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs").mkdir()
+    tr = make_trainer(dataset, tokenizer_path, **LOOPS)
+    assert tr.model.looping is False  # a trainer starts without them
+    tr.model.looping = True
+    tr.save_checkpoint(None, dict(tr.clock))
+    other = make_trainer(dataset, tokenizer_path, **LOOPS)
+    other.load(tg.read_checkpoint(str(tr.ckpt_path)), None)
+    assert other.model.looping is True and other.clock["loop"] is True
 
 
 def test_capped_run_that_reaches_iterations_first_has_warmdown_and_full_progress(dataset, tokenizer_path, monkeypatch):

@@ -182,6 +182,7 @@ def main() -> None:
         if tg._distributed():
             torch.distributed.destroy_process_group()
         return
+    model.looping = cfg.num_loops > 0  # NUM_LOOPS: time the step after ENABLE_LOOPING_AT (warmup compiled it)
     ema = tg.EMA(model, cfg.ema_horizon, cfg.ema_decay) if cfg.ema_enabled else None
     if not trainer.graphed:  # with graphs the activations live in the graph's pool, allocated at capture (warmup)
         torch.cuda.reset_peak_memory_stats()
