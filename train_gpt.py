@@ -66,21 +66,25 @@ CHOICES = {"compressor": ("auto", "zstd", "lzma", "fast", "rans"), "compile_enab
 # Value ranges, checked before anything runs (a zero head count or a negative learning rate is a typo, not a run).
 POSITIVE = ("vocab_size", "num_layers", "model_dim", "num_heads", "num_kv_heads", "mlp_mult", "rope_base",
             "train_seq_len", "train_batch_tokens", "eval_seq_len", "eval_stride", "val_batch_size", "bigram_dim",
-            "ve_dim", "muon_backend_steps", "adam_eps", "ttt_chunk_tokens", "ttt_batch_seqs", "ttt_grad_clip")
+            "ve_dim", "muon_backend_steps", "adam_eps", "ttt_chunk_tokens", "ttt_batch_seqs", "ttt_grad_clip",
+            "sparse_attn_gate_scale", "gate_window")
 NON_NEGATIVE = ("iterations", "warmup_steps", "warmdown_iters", "max_wallclock_seconds", "grad_accum_steps",
                 "mlp_negative_slope", "tied_embed_init_std", "logit_softcap", "xsa_last_n", "bigram_vocab_size",
                 "matrix_lr", "scalar_lr", "tied_embed_lr", "embed_lr", "head_lr", "muon_momentum_warmup_steps",
                 "muon_wd", "adam_wd", "grad_clip_norm", "ema_horizon", "late_qat_threshold", "val_loss_every",
                 "train_log_every", "checkpoint_every", "ttt_lr", "ttt_epochs", "ttt_freeze_blocks",
                 "matrix_clip_sigmas", "mlp_clip_sigmas", "attn_clip_sigmas", "gptq_calibration_batches",
-                "gptq_reserve_seconds", "num_loops", "loop_start", "loop_end", "parallel_start_layer")
+                "gptq_reserve_seconds", "num_loops", "loop_start", "loop_end", "parallel_start_layer",
+                "sparse_attn_gate_init_std")
 FRACTIONS = ("muon_momentum", "muon_momentum_warmup_start", "beta1", "beta2", "ema_decay", "ttt_momentum",
              "auto_size", "enable_looping_at")
 # The settings that define the model's function: stored in every artifact (EVAL_ONLY builds the model from them).
 MODEL_SETTINGS = ("vocab_size", "num_layers", "model_dim", "num_heads", "num_kv_heads", "mlp_mult",
                   "mlp_negative_slope", "tie_embeddings", "rope_base", "rope_dims", "logit_softcap", "ln_scale",
                   "xsa_last_n", "bigram_vocab_size", "bigram_dim", "smear_enabled", "ve_enabled", "ve_dim", "ve_layers",
-                  "num_loops", "loop_start", "loop_end", "parallel_start_layer", "parallel_final_lane")
+                  "num_loops", "loop_start", "loop_end", "parallel_start_layer", "parallel_final_lane",
+                  "skip_gates_enabled", "attn_out_gate_enabled", "sparse_attn_gate_enabled", "sparse_attn_gate_scale",
+                  "gate_window", "smear_bos_fix")
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,13 @@ class Hyperparameters:
     enable_looping_at: float = 0.35  # training progress at which the repeats start (scoring always runs them)
     parallel_start_layer: int = 8  # decoder layers from this one on: two residual lanes (0 = off; past the depth: none)
     parallel_final_lane: str = "mean"  # what leaves the two lanes: mean | attn | mlp (that lane)
+    skip_gates_enabled: bool = False  # U-Net skips through a per-channel gate: sig(g) x + (1 - sig(g)) skip, g0 = 0
+    attn_out_gate_enabled: bool = False  # per-head attention output x 2 sig(W h[:GATE_WINDOW]) (W = 0: 1 at init)
+    sparse_attn_gate_enabled: bool = False  # per-head attention output x sig(SCALE W h[:GATE_WINDOW]) (0.5 at init)
+    sparse_attn_gate_scale: float = 1.0  # SCALE of the sparse gate
+    sparse_attn_gate_init_std: float = 0.0  # its W's init std (0 = zeros)
+    gate_window: int = 12  # leading channels of the attention input h (normalised) that the output gates read
+    smear_bos_fix: bool = False  # SmearGate mixes nothing into a document's first token (BOS) from the one before
     attn_backend: str = "auto"  # auto = fa3 if importable, else SDPA cudnn (CUDA) / math (CPU)
     kernels: str = "auto"  # q/k norm+RoPE+gain, XSA, soft-capped cross entropy: auto = triton on CUDA, torch ops on CPU (triton there needs TRITON_INTERPRET=1)
     # --- optimizer
@@ -234,6 +245,9 @@ class Hyperparameters:
             lanes = [i >= self.parallel_start for i in order[len(order) // 2:]]
             need(lanes == sorted(lanes), f"PARALLEL_START_LAYER={self.parallel_start_layer} puts a serial layer "
                  f"after a parallel one in the decoder {order[len(order) // 2:]}")
+        need(not (self.attn_out_gate_enabled and self.sparse_attn_gate_enabled),
+             "ATTN_OUT_GATE_ENABLED and SPARSE_ATTN_GATE_ENABLED are two forms of one gate: choose one")
+        need(self.gate_window <= self.model_dim, "GATE_WINDOW must be <= MODEL_DIM")
         need(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
         need(self.max_wallclock_seconds == 0 or self.gptq_reserve_seconds < self.max_wallclock_seconds,
              "GPTQ_RESERVE_SECONDS must be below MAX_WALLCLOCK_SECONDS")
@@ -737,6 +751,7 @@ SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 1024
 GET_DATA = ("get FineWeb with `python3 data/cached_challenge_fineweb.py --variant sp1024` (network), or run "
             "`bash data/quickstart.sh` for the offline sample")
 SAMPLE_MARK = 0x504D4153  # header word 3 of the shards data/make_sample.py writes (b"SAMP"; FineWeb's hold 0)
+BOS_ID = 1  # every document of a shard starts with it: the challenge tokenizers' <s>
 
 
 class ShardError(ValueError):
@@ -1022,12 +1037,14 @@ def fake_quant_int6(w: Tensor, floor: float) -> Tensor:
 class Block(nn.Module):
     """Per-layer control tensors; the layer's matrices live in the model's banks."""
 
-    def __init__(self, dim: int, num_heads: int, qk_gain_init: float):
+    def __init__(self, dim: int, num_heads: int, qk_gain_init: float, gate_window: int = 0):
         super().__init__()
         self.attn_scale = nn.Parameter(torch.ones(dim))
         self.mlp_scale = nn.Parameter(torch.ones(dim))
         self.resid_mix = nn.Parameter(torch.stack((torch.ones(dim), torch.zeros(dim))))  # (x, x0) mix
         self.q_gain = nn.Parameter(torch.full((num_heads,), qk_gain_init))
+        if gate_window:  # the attention output gate's W (either form)
+            self.attn_gate_w = nn.Parameter(torch.zeros(num_heads, gate_window))
 
 
 class GPT(nn.Module):
@@ -1043,13 +1060,16 @@ class GPT(nn.Module):
         shapes = {"qo_bank": (D, D), "kv_bank": (kv_dim, D), "mlp_up_bank": (mlp, D), "mlp_down_bank": (D, mlp)}
         for bank, names in BANKS.items():
             setattr(self, bank, nn.Parameter(torch.empty(len(names) * L, *shapes[bank])))
-        self.blocks = nn.ModuleList(Block(D, cfg.num_heads, cfg.qk_gain_init) for _ in range(L))
+        window = cfg.gate_window if cfg.attn_out_gate_enabled or cfg.sparse_attn_gate_enabled else 0
+        self.blocks = nn.ModuleList(Block(D, cfg.num_heads, cfg.qk_gain_init, window) for _ in range(L))
         rope = rope_tables(max(cfg.train_seq_len, cfg.eval_seq_len), cfg.rope_dims, cfg.rope_base)
         self.register_buffer("rope_cos", rope[0], persistent=False)  # not in state_dict or the artifact
         self.register_buffer("rope_sin", rope[1], persistent=False)
         # U-Net: the first half of the positions pushes skips, the second pops them (weights for the longest order)
         n = len(layer_order(cfg, True))
         self.skip_weights = nn.Parameter(torch.ones(min(n // 2, n - n // 2), D))
+        if cfg.skip_gates_enabled:
+            self.skip_gates = nn.Parameter(torch.zeros_like(self.skip_weights))
         if cfg.parallel_start < L:  # per parallel layer: lane decays (attn, mlp), and [source, lane] scales
             self.parallel_resid = nn.Parameter(torch.full((L - cfg.parallel_start, 2), 1.1))
             self.parallel_post = nn.Parameter(torch.ones(L - cfg.parallel_start, 2, 2))
@@ -1087,6 +1107,9 @@ class GPT(nn.Module):
             self._init_linear(self.ve.proj.weight)
         if not cfg.tie_embeddings:
             self.lm_head.weight.zero_()
+        if cfg.sparse_attn_gate_enabled and cfg.sparse_attn_gate_init_std > 0:
+            for blk in self.blocks:
+                nn.init.normal_(blk.attn_gate_w, std=cfg.sparse_attn_gate_init_std)
 
     @staticmethod
     def _init_linear(w: Tensor) -> None:  # the reference's rule: every other linear >= 64x64 is orthogonal
@@ -1105,6 +1128,8 @@ class GPT(nn.Module):
         x = rms_norm(x)
         if self.cfg.smear_enabled:
             g = torch.sigmoid(self.smear_gate.to(x.dtype))
+            if self.cfg.smear_bos_fix:  # a document's first token takes nothing from the previous document
+                g = g * (ids_BT != BOS_ID).unsqueeze(-1).to(x.dtype)
             x = (1 - g) * x + g * F.pad(x[:, :-1], (0, 0, 1, 0))
         return x
 
@@ -1141,6 +1166,10 @@ class GPT(nn.Module):
             y = attention(q, k, v, self.attn_backend)
             if i >= L - cfg.xsa_last_n:
                 y = self.ops.xsa(y, v)
+            if cfg.attn_out_gate_enabled or cfg.sparse_attn_gate_enabled:  # per head, from h's first channels
+                z = F.linear(h[..., :cfg.gate_window], blk.attn_gate_w.to(h.dtype))
+                g = 2 * torch.sigmoid(z) if cfg.attn_out_gate_enabled else torch.sigmoid(cfg.sparse_attn_gate_scale * z)
+                y = y * g[..., None]
             y = self.observe(("attn.o",), i, y.reshape(B, T, H * hd))
             return blk.attn_scale.to(x.dtype) * F.linear(y, w["attn.o"])
 
@@ -1155,12 +1184,13 @@ class GPT(nn.Module):
         for pos, i in enumerate(order):
             if pos >= n_enc and i >= P and lanes is None:
                 lanes = (x, x)
-            if pos >= n_enc and skips:
-                skip = self.skip_weights[pos - n_enc].to(x.dtype) * skips.pop()
-                if lanes is None:
-                    x = x + skip
-                else:  # into the attention's lane
-                    lanes = (lanes[0] + skip, lanes[1])
+            if pos >= n_enc and skips:  # into x, or the attention's lane
+                skip, into = self.skip_weights[pos - n_enc].to(x.dtype) * skips.pop(), x if lanes is None else lanes[0]
+                if cfg.skip_gates_enabled:  # sig(g) into + (1 - sig(g)) skip
+                    into = torch.lerp(skip, into, torch.sigmoid(self.skip_gates[pos - n_enc].to(x.dtype)))
+                else:
+                    into = into + skip
+                x, lanes = (into, None) if lanes is None else (x, (into, lanes[1]))
             mix = self.blocks[i].resid_mix.to(x.dtype)
             if lanes is None:  # serial: attention, then the MLP reads its result
                 x = mix[0] * x + mix[1] * x0
@@ -2625,7 +2655,10 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     import sentencepiece as spm
     if not Path(cfg.tokenizer_path).is_file():
         raise FileNotFoundError(f"TOKENIZER_PATH {cfg.tokenizer_path} does not exist: {GET_DATA}")
-    luts = build_byte_luts(spm.SentencePieceProcessor(model_file=cfg.tokenizer_path), cfg.vocab_size, rt.device)
+    sp = spm.SentencePieceProcessor(model_file=cfg.tokenizer_path)
+    if cfg.smear_bos_fix and sp.bos_id() != BOS_ID:
+        raise ValueError(f"SMEAR_BOS_FIX=1 finds documents by BOS id {BOS_ID}; TOKENIZER_PATH's is {sp.bos_id()}")
+    luts = build_byte_luts(sp, cfg.vocab_size, rt.device)
     val_files = shard_files(cfg.data_path, "val")
     val_tokens = torch.from_numpy(np.concatenate([np.asarray(open_shard(f, cfg.vocab_size)) for f in val_files])
                                   .astype(np.int64))

@@ -241,7 +241,13 @@ MODEL_CONFIGS = {
     # looped layer, XSA on the last 3 (a looped one among them), the MLP lane out
     "loop": dict(NUM_LAYERS=5, MODEL_DIM=32, NUM_HEADS=4, NUM_KV_HEADS=2, ROPE_DIMS=4, VOCAB_SIZE=64,
                  BIGRAM_VOCAB_SIZE=64, BIGRAM_DIM=16, VE_DIM=16, VE_LAYERS="2,4", XSA_LAST_N=3, LOGIT_SOFTCAP=10,
-                 NUM_LOOPS=1, LOOP_START=1, LOOP_END=2, PARALLEL_START_LAYER=3, PARALLEL_FINAL_LANE="mlp"),
+                 NUM_LOOPS=1, LOOP_START=1, LOOP_END=2, PARALLEL_START_LAYER=3, PARALLEL_FINAL_LANE="mlp",
+                 SKIP_GATES_ENABLED=1, SPARSE_ATTN_GATE_ENABLED=1, SPARSE_ATTN_GATE_SCALE=0.5, GATE_WINDOW=12,
+                 SMEAR_BOS_FIX=1),
+    # part (b) without (a): XSA on every layer, the 2 sig(.) output gate on 8 channels, gated skips, BOS smear fix
+    "gates": dict(NUM_LAYERS=3, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=1, ROPE_DIMS=8, VOCAB_SIZE=64,
+                  BIGRAM_VOCAB_SIZE=32, BIGRAM_DIM=8, VE_DIM=8, VE_LAYERS="1", XSA_LAST_N=3, ATTN_OUT_GATE_ENABLED=1,
+                  GATE_WINDOW=8, SKIP_GATES_ENABLED=1, SMEAR_BOS_FIX=1),
 }
 
 

@@ -99,7 +99,8 @@ class PlainGPT(nn.Module):
         x = rms(x)
         if c.smear_enabled:
             g = torch.sigmoid(p["smear_gate"])
-            x = (1 - g) * x + g * torch.cat((torch.zeros_like(x[:, :1]), x[:, :-1]), dim=1)
+            smeared = (1 - g) * x + g * torch.cat((torch.zeros_like(x[:, :1]), x[:, :-1]), dim=1)
+            x = torch.where((ids == 1)[..., None], x, smeared) if c.smear_bos_fix else smeared  # BOS: unsmeared
         x0, skips, n_enc = x, [], len(self.order) // 2
         ve_layers = c.ve_layer_list
         ve = p["ve.scale"] * (p["ve.embed.weight"][ids] @ p["ve.proj.weight"].T) if ve_layers else None
@@ -117,6 +118,14 @@ class PlainGPT(nn.Module):
             y = causal_attention_reference(q, k, v)
             if i >= L - c.xsa_last_n:
                 y = xsa_reference(y, v)
+            if c.attn_out_gate_enabled or c.sparse_attn_gate_enabled:  # head h scaled by its gate
+                w = p[f"blocks.{i}.attn_gate_w"]
+                gates = []
+                for h in range(H):
+                    z = (a[..., :c.gate_window] * w[h]).sum(-1)
+                    gates.append(2 / (1 + torch.exp(-z)) if c.attn_out_gate_enabled
+                                 else 1 / (1 + torch.exp(-c.sparse_attn_gate_scale * z)))
+                y = y * torch.stack(gates, dim=2)[..., None]
             return p[f"blocks.{i}.attn_scale"] * layer.o(y.reshape(B, T, D))
 
         def mlp_out(i, x):
@@ -132,10 +141,17 @@ class PlainGPT(nn.Module):
             if pos >= n_enc and i >= P and not two_lanes:  # the decoder's first parallel layer: x in both lanes
                 attn_lane, mlp_lane, two_lanes = x, x, True
             if pos >= n_enc and skips:
-                if two_lanes:
-                    attn_lane = attn_lane + p["skip_weights"][pos - n_enc] * skips.pop()
+                skip, j = p["skip_weights"][pos - n_enc] * skips.pop(), pos - n_enc
+                into = attn_lane if two_lanes else x
+                if c.skip_gates_enabled:
+                    sg = torch.sigmoid(p["skip_gates"][j])
+                    into = sg * into + (1 - sg) * skip
                 else:
-                    x = x + p["skip_weights"][pos - n_enc] * skips.pop()
+                    into = into + skip
+                if two_lanes:
+                    attn_lane = into
+                else:
+                    x = into
             if two_lanes:
                 a = attention_out(i, mix[0] * attn_lane + mix[1] * x0)
                 m = mlp_out(i, mlp_lane)
@@ -160,6 +176,7 @@ def test_banked_model_equals_plain_per_layer_model(name):
     V = model.cfg.vocab_size
     g = torch.Generator().manual_seed(1)
     ids, targets = torch.randint(0, V, (2, 32), generator=g), torch.randint(0, V, (2, 32), generator=g)
+    ids[:, 5::9] = tg.BOS_ID  # documents start mid-sequence (the BOS smear fix)
     ref = PlainGPT(model)
     with torch.no_grad():
         got, want = model.logits(ids), ref(ids)
@@ -167,6 +184,25 @@ def test_banked_model_equals_plain_per_layer_model(name):
     assert want.abs().max() > 1.0  # logits far from trivial
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32
     torch.testing.assert_close(loss, F.cross_entropy(want.flatten(0, 1), targets.flatten()), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fix", [True, False])
+def test_smear_gate_passes_nothing_across_a_bos(fix):
+    """SMEAR_BOS_FIX: the embedding at a document's first token does not depend on the tokens before it (without
+    the bigram table, which hashes the previous token by design); without the fix it does."""
+    cfg = make_cfg(**(MODEL_CONFIGS["gates"] | dict(BIGRAM_VOCAB_SIZE=0, SMEAR_BOS_FIX=int(fix))))
+    torch.manual_seed(0)
+    model = tg.GPT(cfg)
+    with torch.no_grad():
+        model.smear_gate.normal_()
+        ids = torch.randint(2, cfg.vocab_size, (2, 16))
+        ids[:, 8] = tg.BOS_ID
+        other = ids.clone()
+        other[:, :8] = (ids[:, :8] + 1) % (cfg.vocab_size - 2) + 2  # another document before, no BOS in it
+        a, b = model.embed(ids), model.embed(other)
+    assert torch.equal(a[:, 8], b[:, 8]) == fix
+    assert torch.equal(a[:, 9:], b[:, 9:])  # after the BOS, the smear reaches back only to the BOS itself
+    assert (a[:, 1:8] - b[:, 1:8]).abs().max() > 1e-3  # the test can see a change
 
 
 def test_loop_config_before_its_repeats_start_equals_plain_model():
