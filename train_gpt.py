@@ -77,7 +77,7 @@ NON_NEGATIVE = ("iterations", "warmup_steps", "warmdown_iters", "max_wallclock_s
                 "gptq_reserve_seconds", "num_loops", "loop_start", "loop_end", "parallel_start_layer",
                 "sparse_attn_gate_init_std")
 FRACTIONS = ("muon_momentum", "muon_momentum_warmup_start", "beta1", "beta2", "ema_decay", "ttt_momentum",
-             "auto_size", "enable_looping_at")
+             "auto_size", "enable_looping_at", "min_lr")
 # The settings that define the model's function: stored in every artifact (EVAL_ONLY builds the model from them).
 MODEL_SETTINGS = ("vocab_size", "num_layers", "model_dim", "num_heads", "num_kv_heads", "mlp_mult",
                   "mlp_negative_slope", "tie_embeddings", "rope_base", "rope_dims", "logit_softcap", "ln_scale",
@@ -157,7 +157,10 @@ class Hyperparameters:
     muon_momentum_warmup_start: float = 0.92  # Muon momentum at step 0
     muon_momentum_warmup_steps: int = 1500  # linear momentum warmup length
     muon_backend_steps: int = 5  # Newton-Schulz iterations
+    muon_polar_express: bool = False  # Polar Express: per-iteration NS coefficients (the last repeats past 5)
+    muon_row_normalize: bool = False  # MuonEq-R: each row of the update divided by its norm before NS
     muon_wd: float = 0.04  # decoupled weight decay on the banks
+    min_lr: float = 0.0  # floor of the lr scale in the warmdown (must stay below LATE_QAT_THRESHOLD)
     muon_reduce_dtype: str = "auto"  # bank grad reduce-scatter, momentum and NS dtype: auto = bf16 CUDA, fp32 CPU
     adam_wd: float = 0.04  # AdamW weight decay (tables, scalars; not the untied head)
     beta1: float = 0.9  # AdamW beta1
@@ -248,6 +251,8 @@ class Hyperparameters:
         need(not (self.attn_out_gate_enabled and self.sparse_attn_gate_enabled),
              "ATTN_OUT_GATE_ENABLED and SPARSE_ATTN_GATE_ENABLED are two forms of one gate: choose one")
         need(self.gate_window <= self.model_dim, "GATE_WINDOW must be <= MODEL_DIM")
+        need(self.late_qat_threshold == 0 or self.min_lr < self.late_qat_threshold,
+             "MIN_LR must be below LATE_QAT_THRESHOLD: late QAT starts when the lr scale falls under it")
         need(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
         need(self.max_wallclock_seconds == 0 or self.gptq_reserve_seconds < self.max_wallclock_seconds,
              "GPTQ_RESERVE_SECONDS must be below MAX_WALLCLOCK_SECONDS")
@@ -519,34 +524,43 @@ class Logger:
 # =============================================================================================
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (Keller Jordan, modded-nanogpt)
+# Polar Express (Amsel et al. 2025; the 2026-04-23 record, PR #1344): one (a, b, c) per iteration, the last
+# repeated after 5
+POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
 
 
-def newton_schulz(G_BMN: Tensor, steps: int, eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+def newton_schulz(G_BMN: Tensor, steps: int, eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16,
+                  polar: bool = False) -> Tensor:
     """Approximate the orthogonal polar factor U V^T of each matrix in a batch (bf16 as the reference;
     fp32 for the CPU equality tests, where bf16 rounding would amplify summation-order noise).
 
     Works on the wide orientation (transposing tall matrices) after Frobenius normalisation, so the
-    singular values land in roughly [0.7, 1.2] rather than exactly 1: that is Muon's design."""
-    a, b, c = NS_COEFFS
+    singular values land in roughly [0.7, 1.2] rather than exactly 1: that is Muon's design (Polar
+    Express: closer to 1)."""
     X = G_BMN.to(dtype)
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
-    for _ in range(steps):  # baddbmm fuses the polynomial's sums into the matmuls: 3 kernels per step
+    for k in range(steps):  # baddbmm fuses the polynomial's sums into the matmuls: 3 kernels per step
+        a, b, c = POLAR_EXPRESS[min(k, len(POLAR_EXPRESS) - 1)] if polar else NS_COEFFS
         A = X @ X.mT
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
     return X.mT if tall else X
 
 
-def newton_schulz_stacked(Gs: list[Tensor], steps: int, dtype: torch.dtype) -> list[Tensor]:
+def newton_schulz_stacked(Gs: list[Tensor], steps: int, dtype: torch.dtype, polar: bool = False) -> list[Tensor]:
     """newton_schulz of several banks whose matrices have one shape up to transposition (MLP up and
     down), as one batch: half the launches, larger GEMMs. Each matrix is still normalised alone."""
     if len(Gs) == 1:
-        return [newton_schulz(Gs[0], steps, dtype=dtype)]
+        return [newton_schulz(Gs[0], steps, dtype=dtype, polar=polar)]
     tall = [g.size(-2) > g.size(-1) for g in Gs]
-    X = newton_schulz(torch.cat([g.mT if t else g for g, t in zip(Gs, tall)]), steps, dtype=dtype)
+    X = newton_schulz(torch.cat([g.mT if t else g for g, t in zip(Gs, tall)]), steps, dtype=dtype, polar=polar)
     return [x.mT if t else x for x, t in zip(X.split([g.size(0) for g in Gs]), tall)]
 
 
@@ -567,9 +581,10 @@ class ParallelMuon(torch.optim.Optimizer):
     state_dict serve 1 or N ranks."""
 
     def __init__(self, banks: list[Tensor], lr: float, momentum: float, weight_decay: float,
-                 ns_steps: int, comm_dtype: torch.dtype, world_size: int):
+                 ns_steps: int, comm_dtype: torch.dtype, world_size: int, polar: bool = False,
+                 row_normalize: bool = False):
         super().__init__(banks, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
-        self.comm_dtype, self.world_size = comm_dtype, world_size
+        self.comm_dtype, self.world_size, self.polar, self.row_normalize = comm_dtype, world_size, polar, row_normalize
         self.banks = sorted(banks, key=lambda p: -p.numel())  # biggest reduce-scatter first
         self.pending: list[tuple[Tensor, Tensor, object]] = []  # (bank, grad shard, async work)
 
@@ -627,12 +642,15 @@ class ParallelMuon(torch.optim.Optimizer):
                 self.state[p]["momentum"] = torch.zeros_like(shard)
         bufs = [self.state[p]["momentum"] for p, _, _ in self.pending]
         directions = nesterov_momentum_(bufs, [shard for _, shard, _ in self.pending], mom)
+        if self.row_normalize:  # MuonEq-R (the 2026-04-03 record): rows of equal norm into NS
+            directions = [d / d.float().norm(dim=-1, keepdim=True).clamp_min(1e-7).to(d.dtype) for d in directions]
         stacks: dict[tuple, list[int]] = {}  # banks by matrix shape up to transposition, biggest first
         for i, dvec in enumerate(directions):
             stacks.setdefault(tuple(sorted(dvec.shape[-2:])), []).append(i)
         previous = []
         for idx in stacks.values():
-            updates = newton_schulz_stacked([directions[i] for i in idx], group["ns_steps"], bufs[idx[0]].dtype)
+            updates = newton_schulz_stacked([directions[i] for i in idx], group["ns_steps"], bufs[idx[0]].dtype,
+                                            self.polar)
             current = []
             for i, update in zip(idx, updates):
                 directions[i] = None  # free each direction once orthogonalised
@@ -686,7 +704,8 @@ class Optimizers:
         self.rank, self.clip_norm = rt.rank, cfg.grad_clip_norm
         bf16 = cfg.muon_reduce_dtype == "bf16" or (cfg.muon_reduce_dtype == "auto" and rt.device.type == "cuda")
         self.muon = ParallelMuon([p for _, p in groups["muon"]], cfg.matrix_lr, cfg.muon_momentum, cfg.muon_wd,
-                                 cfg.muon_backend_steps, torch.bfloat16 if bf16 else torch.float32, rt.world_size)
+                                 cfg.muon_backend_steps, torch.bfloat16 if bf16 else torch.float32, rt.world_size,
+                                 cfg.muon_polar_express, cfg.muon_row_normalize)
         table_lr = cfg.tied_embed_lr if cfg.tie_embeddings else cfg.embed_lr
         adam_groups = [dict(params=[p for _, p in groups[g]], lr=lr, weight_decay=wd, base_lr=lr)
                        for g, lr, wd in (("token", table_lr, cfg.adam_wd), ("scalar", cfg.scalar_lr, cfg.adam_wd),
@@ -2321,15 +2340,14 @@ def train_cap_ms(cfg: Hyperparameters) -> float:
 
 def lr_scale_at(cfg: Hyperparameters, step: int, elapsed_ms: float) -> float:
     """Linear warmdown over the last WARMDOWN_ITERS iterations, or (when capped) over the last
-    WARMDOWN_ITERS average steps of wallclock, whichever budget ends first."""
+    WARMDOWN_ITERS average steps of wallclock, whichever budget ends first; floored at MIN_LR."""
     if cfg.warmdown_iters <= 0:
         return 1.0
-    by_step = min(1.0, max(0.0, (cfg.iterations - step) / cfg.warmdown_iters))
-    if cfg.max_wallclock_seconds <= 0:
-        return by_step
-    warmdown_ms = cfg.warmdown_iters * elapsed_ms / max(step, 1)
-    remaining_ms = max(train_cap_ms(cfg) - elapsed_ms, 0.0)
-    return min(by_step, remaining_ms / max(warmdown_ms, 1e-9))
+    scale = min(1.0, max(0.0, (cfg.iterations - step) / cfg.warmdown_iters))
+    if cfg.max_wallclock_seconds > 0:
+        warmdown_ms = cfg.warmdown_iters * elapsed_ms / max(step, 1)
+        scale = min(scale, max(train_cap_ms(cfg) - elapsed_ms, 0.0) / max(warmdown_ms, 1e-9))
+    return max(scale, cfg.min_lr)
 
 
 def muon_momentum_at(cfg: Hyperparameters, step: int) -> float:

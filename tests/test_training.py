@@ -146,6 +146,17 @@ def test_cuda_graphs_train_exactly_as_eager(dataset, tokenizer_path):
 # 10. Schedules and the wallclock cap
 # =============================================================================================
 
+def test_min_lr_floors_the_warmdown_in_both_modes():
+    steps = make_cfg(ITERATIONS=100, WARMDOWN_ITERS=20, MAX_WALLCLOCK_SECONDS=0, MIN_LR=0.1)
+    assert [tg.lr_scale_at(steps, s, 0.0) for s in (0, 80, 90, 97, 100)] == pytest.approx([1, 1, 0.5, 0.15, 0.1])
+    capped = make_cfg(ITERATIONS=100000, WARMDOWN_ITERS=10, MAX_WALLCLOCK_SECONDS=1.0, MIN_LR=0.1)
+    assert tg.lr_scale_at(capped, 5, 950.0) == pytest.approx(0.1)  # 50 ms left of a 1,900 ms warmdown: 0.026
+    assert tg.lr_scale_at(capped, 5, 100.0) == 1.0
+    with pytest.raises(ValueError, match="MIN_LR must be below LATE_QAT_THRESHOLD"):
+        make_cfg(MIN_LR=0.2, LATE_QAT_THRESHOLD=0.15)
+    assert make_cfg(MIN_LR=0.2, LATE_QAT_THRESHOLD=0).min_lr == 0.2
+
+
 def test_lr_scale_iteration_mode():
     cfg = make_cfg(ITERATIONS=100, WARMDOWN_ITERS=20, MAX_WALLCLOCK_SECONDS=0)
     for step, want in [(0, 1.0), (50, 1.0), (80, 1.0), (85, 0.75), (90, 0.5), (99, 0.05), (100, 0.0)]:
