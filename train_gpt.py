@@ -71,7 +71,7 @@ POSITIVE = ("vocab_size", "num_layers", "model_dim", "num_heads", "num_kv_heads"
 NON_NEGATIVE = ("iterations", "warmup_steps", "warmdown_iters", "max_wallclock_seconds", "grad_accum_steps",
                 "mlp_negative_slope", "tied_embed_init_std", "logit_softcap", "xsa_last_n", "bigram_vocab_size",
                 "matrix_lr", "scalar_lr", "tied_embed_lr", "embed_lr", "head_lr", "muon_momentum_warmup_steps",
-                "muon_wd", "adam_wd", "grad_clip_norm", "ema_horizon", "late_qat_threshold", "val_loss_every",
+                "muon_wd", "adam_wd", "embed_wd", "grad_clip_norm", "ema_horizon", "late_qat_threshold", "val_loss_every",
                 "train_log_every", "checkpoint_every", "ttt_lr", "ttt_epochs", "ttt_freeze_blocks",
                 "matrix_clip_sigmas", "mlp_clip_sigmas", "attn_clip_sigmas", "gptq_calibration_batches",
                 "gptq_reserve_seconds", "num_loops", "loop_start", "loop_end", "parallel_start_layer",
@@ -162,7 +162,8 @@ class Hyperparameters:
     muon_wd: float = 0.04  # decoupled weight decay on the banks
     min_lr: float = 0.0  # floor of the lr scale in the warmdown (must stay below LATE_QAT_THRESHOLD)
     muon_reduce_dtype: str = "auto"  # bank grad reduce-scatter, momentum and NS dtype: auto = bf16 CUDA, fp32 CPU
-    adam_wd: float = 0.04  # AdamW weight decay (tables, scalars; not the untied head)
+    adam_wd: float = 0.04  # AdamW weight decay of the control tensors and small projections
+    embed_wd: float = 0.04  # AdamW weight decay of the embedding tables (not the untied head)
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2
     adam_eps: float = 1e-8  # AdamW epsilon
@@ -708,7 +709,7 @@ class Optimizers:
                                  cfg.muon_polar_express, cfg.muon_row_normalize)
         table_lr = cfg.tied_embed_lr if cfg.tie_embeddings else cfg.embed_lr
         adam_groups = [dict(params=[p for _, p in groups[g]], lr=lr, weight_decay=wd, base_lr=lr)
-                       for g, lr, wd in (("token", table_lr, cfg.adam_wd), ("scalar", cfg.scalar_lr, cfg.adam_wd),
+                       for g, lr, wd in (("token", table_lr, cfg.embed_wd), ("scalar", cfg.scalar_lr, cfg.adam_wd),
                                          ("head", cfg.head_lr, 0.0)) if groups[g]]
         self.adam = torch.optim.AdamW(adam_groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                                       fused=rt.device.type == "cuda")

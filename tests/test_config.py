@@ -34,7 +34,7 @@ REFERENCE_DEFAULTS = dict(
     ve_enabled=True, ve_dim=128, ve_layers="9,10",
     matrix_lr=0.025, scalar_lr=0.025, tied_embed_lr=0.035, embed_lr=0.6, head_lr=0.008, muon_momentum=0.99,
     muon_momentum_warmup_start=0.92, muon_momentum_warmup_steps=1500, muon_backend_steps=5, muon_wd=0.04,
-    adam_wd=0.04, beta1=0.9, beta2=0.95, adam_eps=1e-8, grad_clip_norm=0.3,
+    adam_wd=0.04, embed_wd=0.04, beta1=0.9, beta2=0.95, adam_eps=1e-8, grad_clip_norm=0.3,
     ema_enabled=True, late_qat_threshold=0.15,
     eval_seq_len=2048, eval_stride=64, val_loss_every=4000, val_batch_size=524288, train_log_every=500,
     compressor="auto",

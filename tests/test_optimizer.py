@@ -385,17 +385,17 @@ def test_returned_norm_is_pre_clip_and_clip_off_leaves_grads():
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_adamw_groups_match_torch_adamw(tie):
     # Reference: torch.optim.AdamW (foreach=False) on copies of the non-bank parameters, with the lrs
-    # and weight decays REFERENCE.md gives: tables TIED_EMBED_LR (tied) or EMBED_LR (untied) with ADAM_WD,
+    # and weight decays REFERENCE.md gives: tables TIED_EMBED_LR (tied) or EMBED_LR (untied) with EMBED_WD,
     # everything else SCALAR_LR with ADAM_WD, lm_head HEAD_LR with no weight decay (the reference's plain
     # Adam). Clipping off, 5 steps with a changing lr scale. Tolerance: relative 1e-6 per tensor.
-    cfg = opt_cfg(tie_embeddings=tie, adam_wd=0.1, beta1=0.8, beta2=0.9, adam_eps=1e-6)
+    cfg = opt_cfg(tie_embeddings=tie, adam_wd=0.1, embed_wd=0.2, beta1=0.8, beta2=0.9, adam_eps=1e-6)
     model = make_model(cfg)
     opt = tg.Optimizers(model, cfg, tg.Runtime())
     table_lr = cfg.tied_embed_lr if tie else cfg.embed_lr
 
     def expected(name: str) -> tuple[float, float]:
         if name in TOKEN_TABLES:
-            return table_lr, cfg.adam_wd
+            return table_lr, cfg.embed_wd
         if name == "lm_head.weight":
             return cfg.head_lr, 0.0
         return cfg.scalar_lr, cfg.adam_wd
@@ -474,7 +474,7 @@ def test_parameter_table_covers_every_parameter_once(overrides):
     assert (mg["lr"], mg["weight_decay"], mg["momentum"], mg["ns_steps"]) == (
         cfg.matrix_lr, cfg.muon_wd, cfg.muon_momentum, cfg.muon_backend_steps)
     table_lr = cfg.tied_embed_lr if cfg.tie_embeddings else cfg.embed_lr
-    want = {"token": (table_lr, cfg.adam_wd), "scalar": (cfg.scalar_lr, cfg.adam_wd), "head": (cfg.head_lr, 0.0)}
+    want = {"token": (table_lr, cfg.embed_wd), "scalar": (cfg.scalar_lr, cfg.adam_wd), "head": (cfg.head_lr, 0.0)}
     adam_ids = set()
     for g in opt.adam.param_groups:
         ids = {id(p) for p in g["params"]}
