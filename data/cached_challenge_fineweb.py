@@ -6,15 +6,17 @@
 Writes <dest>/datasets/fineweb10B_<variant>/fineweb_{train,val}_NNNNNN.bin (the first N train shards,
 always every val shard), <dest>/tokenizers/<tokenizer files> and <dest>/datasets/manifest.json.
 
-Source: the Hugging Face dataset repo `willdepueoai/parameter-golf` (env MATCHED_FINEWEB_REPO_ID),
-export rooted at `datasets/` (env MATCHED_FINEWEB_REMOTE_ROOT_PREFIX). The manifest lists
+Source: the Hugging Face dataset repo that publishes the variant (VARIANT_REPOS: `willdepueoai/parameter-golf`
+for sp1024, `kevclark/parameter-golf` for sp4096 and sp8192; env MATCHED_FINEWEB_REPO_ID overrides), export
+rooted at `datasets/` (env MATCHED_FINEWEB_REMOTE_ROOT_PREFIX). The manifest lists
 `datasets[]` {name, tokenizer_name, path, vocab_size, bos_id, stats{files_train, files_val, tokens_val, ...}}
 and `tokenizers[]` {name, model_path, vocab_path}; paths are relative to the export root.
 `--local-repo DIR` copies from a directory laid out like the remote repo (mirrors, tests).
 
 Resumable: each file lands in `<name>.part` and is renamed when complete; a shard already present
 whose size matches its header is skipped, a present shard that fails the check is fetched again.
-The manifest is always fetched again (it is small and decides everything else).
+The manifest is always fetched again (it is small and decides everything else): a manifest cached for another
+variant or repository, which made the records delete data/manifest.json before switching, is never read.
 huggingface_hub is imported only when the default fetcher is used.
 """
 
@@ -35,6 +37,9 @@ except ImportError:  # imported as data.cached_challenge_fineweb from the repo r
     from data.shards import read_header
 
 DEFAULT_REPO_ID = "willdepueoai/parameter-golf"
+# The repository that publishes each tokenizer family (the records' download commands, FRONTIER.md "Vocab
+# 4096/8192"); others default to DEFAULT_REPO_ID.
+VARIANT_REPOS = {"sp4096": "kevclark/parameter-golf", "sp8192": "kevclark/parameter-golf"}
 DEFAULT_ROOT_PREFIX = "datasets"
 
 # fetch(remote_relpath, local_path): copy one file of the repo (path relative to the repo root) to local_path.
@@ -191,8 +196,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--local-repo", help="copy from this directory (laid out like the remote repo) instead of HF")
     args = p.parse_args(argv)
     root = os.environ.get("MATCHED_FINEWEB_REMOTE_ROOT_PREFIX", DEFAULT_ROOT_PREFIX)
-    repo_id = os.environ.get("MATCHED_FINEWEB_REPO_ID", DEFAULT_REPO_ID)
+    repo_id = os.environ.get("MATCHED_FINEWEB_REPO_ID") or VARIANT_REPOS.get(args.variant, DEFAULT_REPO_ID)
     fetch = local_fetch(args.local_repo) if args.local_repo else hf_fetch(repo_id)
+    print(f"source:{args.local_repo or repo_id} root:{root} variant:{args.variant}")  # names what errors refer to
     try:
         out = download(args.variant, args.train_shards, args.dest, fetch, root)
     except ValueError as e:

@@ -229,6 +229,43 @@ def test_env_overrides_repo_id_and_root_prefix(tmp_path, monkeypatch):
     assert len(calls) == 1 + 2 + 1 + 2  # manifest, val x2, train x1, tokenizer model + vocab
 
 
+@pytest.mark.parametrize("variant, env, want", [
+    ("sp1024", None, "willdepueoai/parameter-golf"),
+    ("sp8192", None, "kevclark/parameter-golf"),  # published elsewhere: no env needed
+    ("sp4096", None, "kevclark/parameter-golf"),
+    ("sp8192", "someone/mirror", "someone/mirror"),  # the environment still wins
+])
+def test_each_variant_comes_from_the_repository_that_publishes_it(tmp_path, monkeypatch, capsys, variant, env, want):
+    repo = tmp_path / "mirror"
+    build_fake_repo(repo)  # holds sp1024 only: other variants stop at the manifest, after the repository is chosen
+    seen = {}
+
+    def fake_hf_fetch(repo_id):
+        seen["repo_id"] = repo_id
+        return CountingFetch(repo)
+
+    monkeypatch.setattr(ccf, "hf_fetch", fake_hf_fetch)
+    monkeypatch.delenv("MATCHED_FINEWEB_REPO_ID", raising=False)
+    if env:
+        monkeypatch.setenv("MATCHED_FINEWEB_REPO_ID", env)
+    try:
+        ccf.main(["--variant", variant, "--train-shards", "1", "--dest", str(tmp_path / "d")])
+    except SystemExit as e:
+        assert variant != "sp1024" and f"no dataset named 'fineweb10B_{variant}'" in str(e)
+    assert seen["repo_id"] == want
+    assert f"source:{want} root:datasets variant:{variant}" in capsys.readouterr().out
+
+
+def test_a_manifest_left_by_another_variant_is_never_read(tmp_path, fake_repo):
+    """The records deleted data/manifest.json before switching variants; here a stale one is replaced."""
+    dest = tmp_path / "data"
+    (dest / "datasets").mkdir(parents=True)
+    (dest / "datasets" / "manifest.json").write_text(json.dumps({"datasets": [], "tokenizers": []}))
+    out = ccf.download("sp1024", 1, dest, CountingFetch(fake_repo), "datasets")
+    assert out["train_shards"] == 1
+    assert json.loads((dest / "datasets" / "manifest.json").read_text())["datasets"][0]["name"] == "fineweb10B_sp1024"
+
+
 # ---------------------------------------------------------------- make_shards
 
 def test_tokenizer_has_challenge_settings(tiny_tokenizer):
