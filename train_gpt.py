@@ -251,7 +251,8 @@ class Hyperparameters:
                  f"after a parallel one in the decoder {order[len(order) // 2:]}")
         need(not (self.attn_out_gate_enabled and self.sparse_attn_gate_enabled),
              "ATTN_OUT_GATE_ENABLED and SPARSE_ATTN_GATE_ENABLED are two forms of one gate: choose one")
-        need(self.gate_window <= self.model_dim, "GATE_WINDOW must be <= MODEL_DIM")
+        need(not (self.attn_out_gate_enabled or self.sparse_attn_gate_enabled) or self.gate_window <= self.model_dim,
+             "GATE_WINDOW must be <= MODEL_DIM")
         need(self.late_qat_threshold == 0 or self.min_lr < self.late_qat_threshold,
              "MIN_LR must be below LATE_QAT_THRESHOLD: late QAT starts when the lr scale falls under it")
         need(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
@@ -2689,8 +2690,9 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
 
     model = build_model(cfg, rt)
     log(f"model_params:{sum(p.numel() for p in model.parameters())}")
-    P, L = cfg.parallel_start_layer, cfg.num_layers
-    log(f"layers order:{layer_order(cfg, True)} parallel:{list(range(cfg.parallel_start, L)) or 'none'}"
+    order, P, L = layer_order(cfg, True), cfg.parallel_start_layer, cfg.num_layers
+    lanes = sorted({i for i in order[len(order) // 2:] if i >= cfg.parallel_start})  # decoder layers only
+    log(f"layers order:{order} parallel:{lanes or 'none'}"
         + (f" (PARALLEL_START_LAYER={P} is past NUM_LAYERS={L})" if P >= L else ""))
     train_ms = 0.0
     if not cfg.eval_only:
@@ -2708,7 +2710,9 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
         steps, train_ms, stopped_by = trainer.train(scorer, ema)
         if stopped_by:
             return 128 + stopped_by  # the shell's convention for a process ended by a signal
-        model.looping = cfg.num_loops > 0  # the trained function runs the repeats, however early training stopped
+        if cfg.num_loops > 0 and not model.looping:  # stopped before ENABLE_LOOPING_AT: the repeats still score
+            model.looping = True
+            log(f"layer_loop:enabled after training step:{steps} (scoring, calibration and export run the repeats)")
         log(f"train_done steps:{steps} train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms")
         if rt.device.type == "cuda":
             log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "

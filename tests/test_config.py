@@ -197,7 +197,8 @@ def test_values_out_of_range_are_refused_at_the_start_naming_the_setting(key, ra
     (dict(NUM_LAYERS=6, VE_LAYERS="5", NUM_LOOPS=1, LOOP_START=2, LOOP_END=4, PARALLEL_START_LAYER=4),
      "PARALLEL_START_LAYER=4 puts a serial layer after a parallel one in the decoder [4, 2, 3, 4, 5]"),
     (dict(ATTN_OUT_GATE_ENABLED=1, SPARSE_ATTN_GATE_ENABLED=1), "two forms of one gate: choose one"),
-    (dict(MODEL_DIM=8, NUM_HEADS=2, NUM_KV_HEADS=1, ROPE_DIMS=2), "GATE_WINDOW must be <= MODEL_DIM"),
+    (dict(MODEL_DIM=8, NUM_HEADS=2, NUM_KV_HEADS=1, ROPE_DIMS=2, SPARSE_ATTN_GATE_ENABLED=1),
+     "GATE_WINDOW must be <= MODEL_DIM"),  # (checked only with a gate on: MODEL_DIM=8 alone is valid)
 ])
 def test_loop_lane_and_gate_settings_are_checked_at_the_start(settings, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -126,6 +126,17 @@ def test_issue_21_features_train_alike_on_one_two_and_three_ranks(dataset, token
             float(one_line(logs[1], key).split("val_bpb:")[1]), rel=1e-4)
 
 
+def test_a_run_that_stops_before_enable_looping_at_still_scores_the_repeats(dataset, tokenizer_path, tmp_path):
+    env = tiny_env(dataset, tokenizer_path, RUN_ID="early", NUM_LOOPS=1, LOOP_START=0, LOOP_END=1,
+                   ENABLE_LOOPING_AT=0.9, ITERATIONS=4)
+    r = run_script(env, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = (tmp_path / "logs" / "early.txt").read_text()
+    assert not re.search(r"^layer_loop:enabled step:", log, re.M)  # (the log opens with the source, hence ^)
+    after = re.search(r"^layer_loop:enabled after training step:4 ", log, re.M)
+    assert after and after.start() < re.search(r"^post_ema ", log, re.M).start()
+
+
 def test_wallclock_cap_run(dataset, tokenizer_path, tmp_path):
     env = tiny_env(dataset, tokenizer_path, RUN_ID="cap", MAX_WALLCLOCK_SECONDS="1.5", ITERATIONS="100000",
                    TRAIN_LOG_EVERY="50", LAWA_K="5")

@@ -278,6 +278,21 @@ def test_model_is_causal(name):
         handle.remove()
 
 
+def test_init_facts_of_the_issue_21_parameters():
+    """Lanes: decay 1.1 and unit writes (the 2026-03-31 record); skip gates 0 (sig = 0.5); the output gate's W 0 (2 sig
+    = 1: transparent), or N(0, SPARSE_ATTN_GATE_INIT_STD) for the sparse form."""
+    cfg = make_cfg(**MODEL_CONFIGS["gates"])
+    m = tg.GPT(cfg)
+    assert torch.equal(m.parallel_resid, torch.full((3, 2), 1.1)) and torch.equal(m.parallel_post, torch.ones(3, 2, 2))
+    assert torch.equal(m.skip_gates, torch.zeros(2, 32)) and torch.equal(m.skip_weights, torch.ones(2, 32))
+    assert all(torch.equal(b.attn_gate_w, torch.zeros(2, 8)) for b in m.blocks)
+    sparse = make_cfg(**(MODEL_CONFIGS["gates"] | dict(ATTN_OUT_GATE_ENABLED=0, SPARSE_ATTN_GATE_ENABLED=1,
+                                                       SPARSE_ATTN_GATE_INIT_STD=0.5)))
+    torch.manual_seed(0)
+    w = torch.cat([b.attn_gate_w.flatten() for b in tg.GPT(sparse).blocks])
+    assert 0.4 < w.std() < 0.6 and abs(w.mean()) < 0.15
+
+
 def test_init_facts():
     cfg = make_cfg(NUM_LAYERS=2, MODEL_DIM=128, NUM_HEADS=4, NUM_KV_HEADS=2, VOCAB_SIZE=512, BIGRAM_VOCAB_SIZE=64,
                    BIGRAM_DIM=64, VE_DIM=64, VE_LAYERS="1", XSA_LAST_N=1)

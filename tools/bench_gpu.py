@@ -29,11 +29,14 @@ BF16_PEAK_TFLOPS = 790.0  # measured dense bf16 matmul rate of one H200 (REFEREN
 
 def step_flops(cfg: tg.Hyperparameters, model: torch.nn.Module) -> float:
     """Training FLOPs per optimizer step: 6 x matmul params x tokens, plus causal attention
-    (QK^T and PV: 2 x 2 x T x T x d per layer per sequence, halved by causality, x3 fwd+bwd)."""
-    matmul = sum(p.numel() for n, p in model.named_parameters() if n.endswith("_bank") or n.endswith("proj.weight"))
+    (QK^T and PV: 2 x 2 x T x T x d per layer per sequence, halved by causality, x3 fwd+bwd); a looped
+    model (NUM_LOOPS) runs its layers' matrices once per position."""
+    positions = len(tg.layer_order(cfg, cfg.num_loops > 0)) / cfg.num_layers
+    banks = sum(p.numel() for n, p in model.named_parameters() if n.endswith("_bank"))
+    matmul = positions * banks + sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
     matmul += cfg.vocab_size * cfg.model_dim  # output head
     tokens = cfg.train_batch_tokens
-    attn = 3 * 2 * cfg.train_seq_len * cfg.model_dim * tokens * cfg.num_layers
+    attn = 3 * 2 * cfg.train_seq_len * cfg.model_dim * tokens * cfg.num_layers * positions
     return 6.0 * matmul * tokens + attn
 
 
