@@ -182,3 +182,43 @@ def test_command_line_error_has_no_traceback(tmp_path, tokenizer_path):
                            "--src-tokenizer", str(tokenizer_path), "--dst", str(tmp_path / "y"),
                            "--tokenizer", str(tokenizer_path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stderr.startswith("error: --src ") and "Traceback" not in proc.stderr
+
+
+def syllable_text(n_docs: int, seed: int) -> list[str]:
+    """Documents of pseudo-words (2-4 syllables of a 15 x 6 table): enough distinct strings for a 2,048-piece
+    BPE, which sample_text's fixed word list cannot fill (538 pieces at most), plus its non-ASCII words."""
+    rng = np.random.default_rng(seed)
+    syllables = [c + v for c in "bcdfghjklmnprst" for v in "aeiouy"]
+    extra = "café naïve Zürich 東京 données — 2024 3.14".split()
+    docs = []
+    for _ in range(n_docs):
+        words = ["".join(rng.choice(syllables, int(rng.integers(2, 5)))) for _ in range(int(rng.integers(20, 80)))]
+        words[int(rng.integers(len(words)))] = str(rng.choice(extra))
+        docs.append(" ".join(words) + ".")
+    return docs
+
+
+def test_a_larger_vocabulary_trains_exports_and_scores_the_same_bytes(tmp_path):
+    """Issue 22: the same text as sp-512 shards and, retokenized, as sp-2048 shards: train_gpt.py trains,
+    exports, reads back and scores both, over the same val_bpb byte count."""
+    from conftest import run_script, tiny_env
+    corpus = syllable_text(600, seed=21)
+    small, large = tmp_path / "tok512.model", tmp_path / "tok2048.model"
+    make_shards.train_tokenizer(corpus, 512, small)
+    make_shards.train_tokenizer(corpus, 2048, large)
+    sp = spm.SentencePieceProcessor(model_file=str(small))
+    src = tmp_path / "sp512"
+    src.mkdir()
+    for name, docs in (("val", syllable_text(30, seed=22)), ("train", syllable_text(300, seed=23))):
+        write_shard(src / f"fineweb_{name}_000000.bin", [t for d in docs for t in [1, *sp.encode(d)]])
+    run(src, small, tmp_path / "sp2048", large, "--workers", "1")
+    scored = {}
+    for vocab, data, tok in ((512, src, small), (2048, tmp_path / "sp2048", large)):
+        env = tiny_env(data, tok, VOCAB_SIZE=vocab, RUN_ID=f"v{vocab}", ITERATIONS=6)
+        r = run_script(env, tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+        log = (tmp_path / "logs" / f"v{vocab}.txt").read_text()
+        line = next(x for x in log.splitlines() if x.startswith("final_int6_sliding_window "))
+        scored[vocab] = int(line.split("scored_bytes:")[1].split()[0])
+        assert "setting vocab_size:%d" % vocab in log
+    assert scored[512] == scored[2048] > 10_000
