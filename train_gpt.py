@@ -246,9 +246,10 @@ class Hyperparameters:
              "LOOP_START..LOOP_END must be layers in 0..NUM_LAYERS-1 (with NUM_LOOPS > 0)")
         for looping in (False, True):  # once two lanes, always two: a serial layer after them has no one residual
             order = layer_order(self, looping)
-            lanes = [i >= self.parallel_start for i in order[len(order) // 2:]]
+            decoder = order[len(order) // 2:]
+            lanes = [i >= self.parallel_start for i in decoder]
             need(lanes == sorted(lanes), f"PARALLEL_START_LAYER={self.parallel_start_layer} puts a serial layer "
-                 f"after a parallel one in the decoder {order[len(order) // 2:]}")
+                 f"after a parallel one in the decoder {decoder}")
         need(not (self.attn_out_gate_enabled and self.sparse_attn_gate_enabled),
              "ATTN_OUT_GATE_ENABLED and SPARSE_ATTN_GATE_ENABLED are two forms of one gate: choose one")
         need(not (self.attn_out_gate_enabled or self.sparse_attn_gate_enabled) or self.gate_window <= self.model_dim,

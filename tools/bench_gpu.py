@@ -31,7 +31,7 @@ def step_flops(cfg: tg.Hyperparameters, model: torch.nn.Module) -> float:
     """Training FLOPs per optimizer step: 6 x matmul params x tokens, plus causal attention
     (QK^T and PV: 2 x 2 x T x T x d per layer per sequence, halved by causality, x3 fwd+bwd); a looped
     model (NUM_LOOPS) runs its layers' matrices once per position."""
-    positions = len(tg.layer_order(cfg, cfg.num_loops > 0)) / cfg.num_layers
+    positions = len(tg.layer_order(cfg, True)) / cfg.num_layers  # 1 without NUM_LOOPS
     banks = sum(p.numel() for n, p in model.named_parameters() if n.endswith("_bank"))
     matmul = positions * banks + sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
     matmul += cfg.vocab_size * cfg.model_dim  # output head
