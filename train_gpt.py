@@ -136,7 +136,7 @@ class Hyperparameters:
     loop_start: int = 3  # first layer of the looped segment
     loop_end: int = 5  # last layer of the looped segment (inclusive)
     enable_looping_at: float = 0.35  # training progress at which the repeats start (scoring always runs them)
-    parallel_start_layer: int = 8  # decoder layers from this one on: two residual lanes (0 = off; past the depth: none)
+    parallel_start_layer: int = 0  # decoder layers from this one on: two residual lanes (0 = off; past the depth: none)
     parallel_final_lane: str = "mean"  # what leaves the two lanes: mean | attn | mlp (that lane)
     skip_gates_enabled: bool = False  # U-Net skips through a per-channel gate: sig(g) x + (1 - sig(g)) skip, g0 = 0
     attn_out_gate_enabled: bool = False  # per-head attention output x 2 sig(W h[:GATE_WINDOW]) (W = 0: 1 at init)
