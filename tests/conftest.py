@@ -248,6 +248,7 @@ MODEL_CONFIGS = {
     # PARALLEL_START_LAYER=1 reaches into the encoder (0 1 | 2 3), where layers stay serial: lanes in 2 and 3
     "gates": dict(NUM_LAYERS=4, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=1, ROPE_DIMS=8, VOCAB_SIZE=64,
                   BIGRAM_VOCAB_SIZE=32, BIGRAM_DIM=8, VE_DIM=8, VE_LAYERS="1", XSA_LAST_N=4, ATTN_OUT_GATE_ENABLED=1,
+                  SPARSE_ATTN_GATE_ENABLED=0,
                   GATE_WINDOW=8, SKIP_GATES_ENABLED=1, SMEAR_BOS_FIX=1, PARALLEL_START_LAYER=1),
 }
 

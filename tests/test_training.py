@@ -158,15 +158,15 @@ def test_min_lr_floors_the_warmdown_in_both_modes():
 
 
 def test_lr_scale_iteration_mode():
-    cfg = make_cfg(ITERATIONS=100, WARMDOWN_ITERS=20, MAX_WALLCLOCK_SECONDS=0)
+    cfg = make_cfg(ITERATIONS=100, WARMDOWN_ITERS=20, MAX_WALLCLOCK_SECONDS=0, MIN_LR=0)
     for step, want in [(0, 1.0), (50, 1.0), (80, 1.0), (85, 0.75), (90, 0.5), (99, 0.05), (100, 0.0)]:
         assert tg.lr_scale_at(cfg, step, elapsed_ms=123456.0) == pytest.approx(want, abs=1e-12), step
-    assert tg.lr_scale_at(make_cfg(ITERATIONS=100, WARMDOWN_ITERS=0, MAX_WALLCLOCK_SECONDS=0), 99, 0.0) == 1.0
+    assert tg.lr_scale_at(make_cfg(ITERATIONS=100, WARMDOWN_ITERS=0, MAX_WALLCLOCK_SECONDS=0, MIN_LR=0), 99, 0.0) == 1.0
 
 
 def test_lr_scale_wallclock_mode():
     # cap 10 s, warmdown 20 steps: lr = remaining_ms / (20 * elapsed_ms / step) once below 1
-    cfg = make_cfg(WARMDOWN_ITERS=20, MAX_WALLCLOCK_SECONDS=10)
+    cfg = make_cfg(WARMDOWN_ITERS=20, MAX_WALLCLOCK_SECONDS=10, MIN_LR=0)
     cases = [(0, 0.0, 1.0),  # nothing measured yet
              (10, 2000.0, 1.0),  # 200 ms/step -> warmdown 4000 ms; 8000 ms left
              (40, 8000.0, 0.5),  # 2000 / 4000
@@ -175,15 +175,15 @@ def test_lr_scale_wallclock_mode():
     for step, elapsed, want in cases:
         assert tg.lr_scale_at(cfg, step, elapsed) == pytest.approx(want, abs=1e-12), (step, elapsed)
     # capped, but ITERATIONS runs out first: the warmdown follows the iterations
-    fast = make_cfg(WARMDOWN_ITERS=20, MAX_WALLCLOCK_SECONDS=10, ITERATIONS=100)
+    fast = make_cfg(WARMDOWN_ITERS=20, MAX_WALLCLOCK_SECONDS=10, ITERATIONS=100, MIN_LR=0)
     assert [tg.lr_scale_at(fast, k, 10.0 * k) for k in (0, 80, 90, 99)] == pytest.approx([1, 1, 0.5, 0.05])
 
 
 def test_muon_momentum_warmup():
-    cfg = make_cfg()  # 0.92 -> 0.99 over 1500 steps
+    cfg = make_cfg(MUON_MOMENTUM=0.99)  # 0.92 -> 0.99 over 1500 steps
     for step, want in [(0, 0.92), (375, 0.9375), (750, 0.955), (1500, 0.99), (5000, 0.99)]:
         assert tg.muon_momentum_at(cfg, step) == pytest.approx(want, abs=1e-12), step
-    assert tg.muon_momentum_at(make_cfg(MUON_MOMENTUM_WARMUP_STEPS=0), 0) == 0.99
+    assert tg.muon_momentum_at(make_cfg(MUON_MOMENTUM_WARMUP_STEPS=0), 0) == 0.97  # the default
 
 
 class FakeClock:
