@@ -1731,7 +1731,7 @@ def legal_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log
     (a window belongs to the chunk of its first scored target), then trained on with SGD + momentum
     (cosine lr over chunks, global-norm clip, gradients averaged over ranks). A token's score thus
     depends only on the artifact and earlier tokens; nothing is re-scored; the last chunk is never
-    trained on. TTT_FREEZE_BLOCKS freezes the first blocks (their bank slices and control tensors)."""
+    trained on. TTT_FREEZE_BLOCKS freezes the first blocks (their bank slices, control tensors and lane scalars)."""
     T, C, L = cfg.train_seq_len, cfg.ttt_chunk_tokens, cfg.num_layers
     n_targets = scorer.tokens.numel() - 1
     n_chunks = -(-n_targets // C)
@@ -1790,6 +1790,9 @@ def ttt_sync_grads(model: GPT, params: list[Tensor], frozen: list[int], num_laye
     for name in MATRICES:
         for i in frozen:
             layer_matrix(grads, name, i, num_layers).zero_()
+    P = model.cfg.parallel_start  # a frozen parallel layer's lane scalars (model-level rows i - P) stay too
+    for name in ("parallel_resid", "parallel_post") if frozen and frozen[-1] >= P else ():
+        getattr(model, name).grad[: frozen[-1] + 1 - P].zero_()
 
 
 # =============================================================================================

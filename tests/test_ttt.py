@@ -354,6 +354,20 @@ def test_freeze_first_block():
         assert same == name.startswith("blocks.0."), name
 
 
+def test_freeze_reaches_the_lane_scalars_of_frozen_parallel_layers():
+    """Lanes in layers 2 and 3 of 4, the first 3 blocks frozen: the lane scalars' row of layer 2 (model-level
+    tensors, not under blocks.) stays bit-identical, layer 3's row trains."""
+    cfg = ttt_cfg(num_layers=4, parallel_start_layer=2, ttt_freeze_blocks=3, ttt_chunk_tokens=64, ttt_epochs=2)
+    model = random_model(cfg, seed=13)
+    before = snapshot(model)
+    tg.legal_ttt(cfg, tg.Runtime(), model, make_scorer(cfg, make_tokens(260, seed=12), make_luts(5)),
+                 tg.Logger("x", enabled=False))
+    after = snapshot(model)
+    for name in ("parallel_resid", "parallel_post"):
+        assert torch.equal(before[name][0], after[name][0]), name
+        assert not torch.equal(before[name][1], after[name][1]), name
+
+
 # =============================================================================================
 # 6. End to end through the script
 # =============================================================================================
