@@ -255,8 +255,7 @@ class Hyperparameters:
         need(not (self.attn_out_gate_enabled and self.sparse_attn_gate_enabled),
              "ATTN_OUT_GATE_ENABLED and SPARSE_ATTN_GATE_ENABLED are two forms of one gate: choose one "
              "(the sparse form is the default: add SPARSE_ATTN_GATE_ENABLED=0)")
-        need(not (self.attn_out_gate_enabled or self.sparse_attn_gate_enabled) or self.gate_window <= self.model_dim,
-             "GATE_WINDOW must be <= MODEL_DIM")
+        need(self.attn_gate_window <= self.model_dim, "GATE_WINDOW must be <= MODEL_DIM")
         need(self.late_qat_threshold == 0 or self.min_lr < self.late_qat_threshold,
              "MIN_LR must be below LATE_QAT_THRESHOLD: late QAT starts when the lr scale falls under it")
         need(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
@@ -269,6 +268,11 @@ class Hyperparameters:
     @property
     def head_dim(self) -> int:
         return self.model_dim // self.num_heads
+
+    @property
+    def attn_gate_window(self) -> int:
+        """Channels of h the attention output gate reads: GATE_WINDOW with either form of the gate on, else 0."""
+        return self.gate_window if self.attn_out_gate_enabled or self.sparse_attn_gate_enabled else 0
 
     @property
     def parallel_start(self) -> int:
@@ -1085,8 +1089,7 @@ class GPT(nn.Module):
         shapes = {"qo_bank": (D, D), "kv_bank": (kv_dim, D), "mlp_up_bank": (mlp, D), "mlp_down_bank": (D, mlp)}
         for bank, names in BANKS.items():
             setattr(self, bank, nn.Parameter(torch.empty(len(names) * L, *shapes[bank])))
-        window = cfg.gate_window if cfg.attn_out_gate_enabled or cfg.sparse_attn_gate_enabled else 0
-        self.blocks = nn.ModuleList(Block(D, cfg.num_heads, cfg.qk_gain_init, window) for _ in range(L))
+        self.blocks = nn.ModuleList(Block(D, cfg.num_heads, cfg.qk_gain_init, cfg.attn_gate_window) for _ in range(L))
         rope = rope_tables(max(cfg.train_seq_len, cfg.eval_seq_len), cfg.rope_dims, cfg.rope_base)
         self.register_buffer("rope_cos", rope[0], persistent=False)  # not in state_dict or the artifact
         self.register_buffer("rope_sin", rope[1], persistent=False)
@@ -1191,8 +1194,8 @@ class GPT(nn.Module):
             y = attention(q, k, v, self.attn_backend)
             if i >= L - cfg.xsa_last_n:
                 y = self.ops.xsa(y, v)
-            if cfg.attn_out_gate_enabled or cfg.sparse_attn_gate_enabled:  # per head, from h's first channels
-                z = F.linear(h[..., :cfg.gate_window], blk.attn_gate_w.to(h.dtype))
+            if cfg.attn_gate_window:  # per head, from h's first channels
+                z = F.linear(h[..., :cfg.attn_gate_window], blk.attn_gate_w.to(h.dtype))
                 g = 2 * torch.sigmoid(z) if cfg.attn_out_gate_enabled else torch.sigmoid(cfg.sparse_attn_gate_scale * z)
                 y = y * g[..., None]
             y = self.observe(("attn.o",), i, y.reshape(B, T, H * hd))
