@@ -1181,7 +1181,8 @@ class GPT(nn.Module):
         lns = [1.0 / math.sqrt(i + 1) if cfg.ln_scale else 1.0 for i in range(L)]  # by layer, not position
 
         def attn(i: int, x: Tensor) -> Tensor:  # layer i's attention of its input x (pre-norm), scaled
-            blk, w, ln = self.blocks[i], {n: layer_matrix(banks, n, i, L) for n in MATRICES}, lns[i]
+            blk, ln = self.blocks[i], lns[i]
+            w = {n: layer_matrix(banks, n, i, L) for n in ("attn.q", "attn.k", "attn.v", "attn.o")}
             h = self.observe(("attn.q", "attn.k", "attn.v"), i, rms_norm(x) * ln)
             # one GEMM for q|k|v (1.6-1.9 ms per record step less than three, in three same-call A/Bs)
             qkv = F.linear(h, torch.cat((w["attn.q"], w["attn.k"], w["attn.v"])))
@@ -1793,9 +1794,10 @@ def ttt_sync_grads(model: GPT, params: list[Tensor], frozen: list[int], num_laye
     for name in MATRICES:
         for i in frozen:
             layer_matrix(grads, name, i, num_layers).zero_()
-    P = model.cfg.parallel_start  # a frozen parallel layer's lane scalars (model-level rows i - P) stay too
-    for name in ("parallel_resid", "parallel_post") if frozen and frozen[-1] >= P else ():
-        getattr(model, name).grad[: frozen[-1] + 1 - P].zero_()
+    n = len(frozen) - model.cfg.parallel_start  # frozen parallel layers: their lane scalars (rows i - P) stay too
+    if n > 0:
+        model.parallel_resid.grad[:n].zero_()
+        model.parallel_post.grad[:n].zero_()
 
 
 # =============================================================================================

@@ -161,7 +161,7 @@ def test_lr_scale_iteration_mode():
     cfg = make_cfg(ITERATIONS=100, WARMDOWN_ITERS=20, MAX_WALLCLOCK_SECONDS=0, MIN_LR=0)
     for step, want in [(0, 1.0), (50, 1.0), (80, 1.0), (85, 0.75), (90, 0.5), (99, 0.05), (100, 0.0)]:
         assert tg.lr_scale_at(cfg, step, elapsed_ms=123456.0) == pytest.approx(want, abs=1e-12), step
-    assert tg.lr_scale_at(make_cfg(ITERATIONS=100, WARMDOWN_ITERS=0, MAX_WALLCLOCK_SECONDS=0, MIN_LR=0), 99, 0.0) == 1.0
+    assert tg.lr_scale_at(make_cfg(ITERATIONS=100, WARMDOWN_ITERS=0, MAX_WALLCLOCK_SECONDS=0), 99, 0.0) == 1.0
 
 
 def test_lr_scale_wallclock_mode():
