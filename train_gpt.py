@@ -1063,6 +1063,15 @@ def fake_quant_int6(w: Tensor, floor: float) -> Tensor:
     return w + (q - w).detach()
 
 
+def bigram_hash(ids_BT: Tensor, buckets: int) -> Tensor:
+    """BigramHash slot of each (previous, current) token pair: a multiplicative xor hash into buckets - 1 slots;
+    position 0 (no previous token) takes the last slot. In int64: int32 wrapped past id 59,138 (36313 * id),
+    and below that the two agree, so artifacts trained before keep their meaning."""
+    t, mod = ids_BT.long(), buckets - 1
+    h = torch.bitwise_xor(36313 * t[:, 1:], 27191 * t[:, :-1]) % mod
+    return torch.cat((torch.full_like(t[:, :1], mod), h), dim=1)
+
+
 class Block(nn.Module):
     """Per-layer control tensors; the layer's matrices live in the model's banks."""
 
@@ -1146,12 +1155,7 @@ class GPT(nn.Module):
     def embed(self, ids_BT: Tensor) -> Tensor:
         x = self.tok_emb(ids_BT)
         if self.cfg.bigram_vocab_size > 0:
-            # hash(prev, cur) into buckets-1 slots; position 0 (no previous token) uses the last slot
-            t = ids_BT.to(torch.int32)
-            mod = self.cfg.bigram_vocab_size - 1
-            h = torch.bitwise_xor(36313 * t[:, 1:], 27191 * t[:, :-1]) % mod
-            h = torch.cat((torch.full_like(t[:, :1], mod), h), dim=1).long()
-            b = self.bigram.proj(self.bigram.embed(h))
+            b = self.bigram.proj(self.bigram.embed(bigram_hash(ids_BT, self.cfg.bigram_vocab_size)))
             x = x + b * self.bigram.scale.to(b.dtype)
         x = rms_norm(x)
         if self.cfg.smear_enabled:
@@ -1540,7 +1544,7 @@ if triton is not None:
         tl.store(dx_ptr + r * V + c, dz.to(dx_ptr.dtype.element_ty), mask=c < V)
 
 
-CE_MAX_VOCAB = 32768  # a row per program, in registers; beyond this, KERNELS=torch
+CE_MAX_VOCAB = 32768  # a row per program, in registers; wider rows take the torch ops (triton_loss)
 
 
 def _ce_launch_args(logits_NV: Tensor, targets_N: Tensor, cap: float) -> tuple:
@@ -1596,8 +1600,15 @@ def softcap_cross_entropy(logits_NV: Tensor, targets_N: Tensor, cap: float) -> T
     F.cross_entropy in one Triton kernel each way. Every target must be a class index (no ignore_index)."""
     return _softcap_ce(logits_NV, targets_N, cap)[0]
 
-TRITON_OPS = Ops(qk_norm_rope, exclusive_self_attention, lambda logits_NV, targets_N, cap:
-                 softcap_cross_entropy(logits_NV, targets_N, cap).mean()) if triton is not None else None
+
+def triton_loss(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Tensor:
+    """The training loss through the kernel, or, for rows wider than CE_MAX_VOCAB, the torch ops (logged)."""
+    if logits_NV.size(-1) > CE_MAX_VOCAB:
+        return softcap_loss_reference(logits_NV, targets_N, cap)
+    return softcap_cross_entropy(logits_NV, targets_N, cap).mean()
+
+
+TRITON_OPS = Ops(qk_norm_rope, exclusive_self_attention, triton_loss) if triton is not None else None
 
 
 def build_model(cfg: Hyperparameters, rt: Runtime) -> GPT:
@@ -2677,6 +2688,8 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     log(rt.describe())
+    if rt.kernels == "triton" and cfg.vocab_size > CE_MAX_VOCAB:
+        log(f"kernels: the training loss runs as torch ops (VOCAB_SIZE {cfg.vocab_size} > {CE_MAX_VOCAB})")
     artifact = Path(cfg.eval_only or cfg.artifact_path)
     log(f"outputs log:{log.path} artifact:{artifact}" + (f" checkpoints:logs/{cfg.run_id}.ckpt" if cfg.checkpoint_every else ""))
     code_bytes = len(shipped_code(code))

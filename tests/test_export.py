@@ -139,6 +139,26 @@ def test_export_roundtrip_error_bounds_and_reproducible(tmp_path, method):
         assert np.all(np.abs(loaded[name].numpy() - w) <= np.abs(w) * 2.0 ** -11 + 2.0 ** -25)
 
 
+def test_the_largest_vocabulary_exports_and_reads_back(tmp_path):
+    """Issue 22: at VOCAB_SIZE=65,536 the tables quantise per row as at 4,096 (the int8 bound holds on the
+    last rows too), the artifact reads back into the model, and the read-back model runs on id 65,535."""
+    cfg = tiny_cfg(vocab_size=65536, bigram_vocab_size=4097)
+    state = {k: v.detach().clone() for k, v in random_model(cfg, seed=2).state_dict().items()}
+    path = tmp_path / "v.ptz"
+    path.write_bytes(export(state, cfg, "zstd")[0])
+    settings, stored = tg.read_artifact(path)
+    assert settings["vocab_size"] == 65536
+    model = tg.build_model(cfg, tg.Runtime())
+    model.load_state_dict(tg.dequantize_state(stored, model.state_dict(), cfg.num_layers))
+    packed = read_artifact(path.read_bytes(), settings)
+    for name in ("tok_emb.weight", "bigram.embed.weight"):
+        assert packed[name + ".q8"].shape == state[name].shape
+        check_rows(state[name].numpy(), packed[name + ".q8"], packed[name + ".scale"],
+                   model.state_dict()[name].numpy(), 127, tg.INT8_CLIP_QUANTILE)
+    ids = torch.tensor([[65535, 65534, 1, 65535] * 8])
+    assert torch.isfinite(model.eval()(ids, ids.roll(-1, 1)))
+
+
 def test_compressors_auto_picks_smaller_and_format_is_readable():
     cfg = tiny_cfg(**QCFG)
     payload = tg.pack_tensors(tg.quantize_state(random_model(cfg, seed=2).state_dict(), cfg), cfg)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton")
 
 import train_gpt as tg  # noqa: E402
-from conftest import feature_model, make_cfg, rope_reference  # noqa: E402
+from conftest import feature_model, make_cfg, rope_reference, tiny_cfg  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FP32_EPS = torch.finfo(torch.float32).eps  # the kernel's and the compiled model's rms_norm epsilon
@@ -251,6 +251,35 @@ def test_model_with_triton_kernel_equals_model_with_torch_ops(name):
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-4, atol=1e-6, msg=n)
     assert all(b.q_gain.grad.abs().max() > 0 for b in model.blocks)
+
+
+def test_the_largest_vocabulary_trains_through_the_triton_ops(monkeypatch):
+    """Issue 22: VOCAB_SIZE=65,536 (every uint16 id) with KERNELS=triton: the loss of rows wider than
+    CE_MAX_VOCAB goes to the torch ops instead of stopping, the hash and tables take id 65,535, and loss and
+    every gradient equal the torch-ops model's; at the kernel's width the kernel still runs."""
+    cfg = tiny_cfg(vocab_size=65536, bigram_vocab_size=4097)
+    ref = tg.GPT(cfg).to(DEV)
+    model = tg.GPT(cfg, "math", tg.TRITON_OPS).to(DEV)
+    model.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(59_000, 65536, (2, 32), generator=g).to(DEV)
+    ids[0, :3] = torch.tensor([65535, 65535, 0])
+    targets = torch.randint(0, 65536, (2, 32), generator=g).to(DEV)
+    calls = []
+    kernel = tg.softcap_cross_entropy
+    monkeypatch.setattr(tg, "softcap_cross_entropy", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    losses = [m(ids, targets) for m in (model, ref)]
+    for loss in losses:
+        loss.backward()
+    assert calls == [] and torch.isfinite(losses[0])
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    grads = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-4, atol=1e-6, msg=n)
+    assert model.tok_emb.weight.grad[65535].abs().max() > 0 and model.bigram.embed.weight.grad.abs().sum() > 0
+    logits, t = torch.randn(4, tg.CE_MAX_VOCAB, device=DEV), torch.zeros(4, dtype=torch.int64, device=DEV)
+    torch.testing.assert_close(tg.triton_loss(logits, t, 30.0), tg.softcap_loss_reference(logits, t, 30.0))
+    assert calls == [(4, tg.CE_MAX_VOCAB)]
 
 
 def test_kernels_setting_resolves_and_refuses_what_cannot_run(monkeypatch):

@@ -235,6 +235,24 @@ def test_record_loop_order_and_parameter_shapes():
     assert off["skip_weights"] == (5, 512) and set(shapes) - set(off) == {"parallel_resid", "parallel_post"}
 
 
+def test_bigram_hash_is_exact_for_every_uint16_id_and_unchanged_below_the_old_overflow():
+    """Python's integers are the reference; below id 59,139 (36313 * id < 2^31) the int32 hash the model used
+    before agrees, so artifacts trained at vocabularies up to 59,138 keep their meaning."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.cat((torch.randint(0, 65536, (3, 40), generator=g), torch.tensor([[65535, 65534, 59139, 0] * 10])))
+    for buckets in (64, 4097, 10240):
+        want = [[buckets - 1] + [((36313 * c) ^ (27191 * p)) % (buckets - 1) for p, c in zip(row, row[1:])]
+                for row in ids.tolist()]
+        h = tg.bigram_hash(ids, buckets)
+        assert h.dtype == torch.int64 and h.tolist() == want
+        low = ids % 59139
+        t = low.to(torch.int32)
+        old = torch.bitwise_xor(36313 * t[:, 1:], 27191 * t[:, :-1]) % (buckets - 1)
+        assert torch.equal(tg.bigram_hash(low, buckets)[:, 1:], old.long())
+    t = ids.to(torch.int32)  # the int32 form wraps for the large ids: the reason for int64
+    assert (36313 * t).min() < 0
+
+
 def test_rope_tables_cover_the_longest_sequence_and_refuse_longer():
     cfg = make_cfg(TRAIN_SEQ_LEN=16, EVAL_SEQ_LEN=24, EVAL_STRIDE=8)
     model = tg.GPT(cfg)
