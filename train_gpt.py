@@ -247,11 +247,9 @@ class Hyperparameters:
         need(self.num_loops == 0 or self.loop_start <= self.loop_end < self.num_layers,
              "LOOP_START..LOOP_END must be layers in 0..NUM_LAYERS-1 (with NUM_LOOPS > 0)")
         for looping in (False, True):  # once two lanes, always two: a serial layer after them has no one residual
-            order = layer_order(self, looping)
-            decoder = order[len(order) // 2:]
-            lanes = [i >= self.parallel_start for i in decoder]
+            lanes = parallel_positions(self, looping)
             need(lanes == sorted(lanes), f"PARALLEL_START_LAYER={self.parallel_start_layer} puts a serial layer "
-                 f"after a parallel one in the decoder {decoder}")
+                 f"after a parallel one in the decoder {layer_order(self, looping)[len(lanes) // 2:]}")
         need(not (self.attn_out_gate_enabled and self.sparse_attn_gate_enabled),
              "ATTN_OUT_GATE_ENABLED and SPARSE_ATTN_GATE_ENABLED are two forms of one gate: choose one "
              "(the sparse form is the default: add SPARSE_ATTN_GATE_ENABLED=0)")
@@ -343,6 +341,13 @@ def layer_order(cfg: Hyperparameters, looping: bool) -> list[int]:
     if not (looping and cfg.num_loops > 0):
         return list(range(L))
     return list(range(a)) + list(range(a, b + 1)) * (cfg.num_loops + 1) + list(range(b + 1, L))
+
+
+def parallel_positions(cfg: Hyperparameters, looping: bool) -> list[bool]:
+    """Which positions of layer_order run two residual lanes: decoder positions (the second half) of the
+    layers from PARALLEL_START_LAYER on."""
+    order = layer_order(cfg, looping)
+    return [pos >= len(order) // 2 and i >= cfg.parallel_start for pos, i in enumerate(order)]
 
 
 # =============================================================================================
@@ -1212,10 +1217,10 @@ class GPT(nn.Module):
             u = self.observe(("mlp.down",), i, u.square())
             return self.blocks[i].mlp_scale.to(x.dtype) * F.linear(u, layer_matrix(banks, "mlp.down", i, L))
 
-        order, P = layer_order(cfg, self.looping), cfg.parallel_start
+        order, parallel, P = layer_order(cfg, self.looping), parallel_positions(cfg, self.looping), cfg.parallel_start
         n_enc, lanes = len(order) // 2, None  # lanes: (attention's, MLP's) from the first parallel layer on
         for pos, i in enumerate(order):
-            if pos >= n_enc and i >= P and lanes is None:
+            if parallel[pos] and lanes is None:
                 lanes = (x, x)
             if pos >= n_enc and skips:  # into x, or the attention's lane
                 skip, into = self.skip_weights[pos - n_enc].to(x.dtype) * skips.pop(), x if lanes is None else lanes[0]
@@ -2716,7 +2721,7 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     model = build_model(cfg, rt)
     log(f"model_params:{sum(p.numel() for p in model.parameters())}")
     order, P, L = layer_order(cfg, True), cfg.parallel_start_layer, cfg.num_layers
-    lanes = sorted({i for i in order[len(order) // 2:] if i >= cfg.parallel_start})  # decoder layers only
+    lanes = sorted({i for i, two in zip(order, parallel_positions(cfg, True)) if two})
     log(f"layers order:{order} parallel:{lanes or 'none'}"
         + (f" (PARALLEL_START_LAYER={P} is past NUM_LAYERS={L})" if P >= L else ""))
     train_ms = 0.0
