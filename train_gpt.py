@@ -131,7 +131,7 @@ class Hyperparameters:
     smear_enabled: bool = True  # SmearGate on the embedding
     ve_enabled: bool = True  # shared value embedding added to V
     ve_dim: int = 128  # value-embedding table width (projected to the KV width)
-    ve_layers: str = "9,10"  # comma-separated layer indices
+    ve_layers: str = "-2,-1"  # comma-separated layer indices; negative ones count back from NUM_LAYERS (-1: the last)
     num_loops: int = 0  # depth recurrence: layers LOOP_START..LOOP_END run NUM_LOOPS more times, same weights (0 = off)
     loop_start: int = 3  # first layer of the looped segment
     loop_end: int = 5  # last layer of the looped segment (inclusive)
@@ -240,9 +240,11 @@ class Hyperparameters:
         need(self.num_heads % self.num_kv_heads == 0, "NUM_HEADS must divide by NUM_KV_HEADS")
         need(self.rope_dims % 2 == 0 and 0 <= self.rope_dims <= self.head_dim, "ROPE_DIMS: even, <= head dim")
         need(self.eval_stride <= self.eval_seq_len, "EVAL_STRIDE must be in 1..EVAL_SEQ_LEN")
-        need(all(s.strip().isdigit() for s in self.ve_layers.split(",") if s.strip()),
+        need(all(s.strip().removeprefix("-").isdigit() for s in self.ve_layers.split(",") if s.strip()),
              f"malformed value for VE_LAYERS: {self.ve_layers!r} (expected comma-separated layer indices)")
-        need(all(0 <= i < self.num_layers for i in self.ve_layer_list), "VE_LAYERS outside 0..NUM_LAYERS-1")
+        given = [int(s) for s in self.ve_layers.split(",") if s.strip()]
+        need(all(-self.num_layers <= i < self.num_layers for i in given), "VE_LAYERS outside -NUM_LAYERS..NUM_LAYERS-1")
+        need(len(set(self.ve_layer_list)) == len(self.ve_layer_list), f"VE_LAYERS={self.ve_layers} names a layer twice")
         need(not self.ema_enabled or self.ema_horizon > 0 or self.ema_decay > 0, "EMA_HORIZON must be > 0 (or set EMA_DECAY)")
         need(self.num_loops == 0 or self.loop_start <= self.loop_end < self.num_layers,
              "LOOP_START..LOOP_END must be layers in 0..NUM_LAYERS-1 (with NUM_LOOPS > 0)")
@@ -279,8 +281,8 @@ class Hyperparameters:
         return P if 0 < P < self.num_layers else self.num_layers
 
     @property
-    def ve_layer_list(self) -> list[int]:
-        return [int(s) for s in self.ve_layers.split(",") if s.strip()] if self.ve_enabled else []
+    def ve_layer_list(self) -> list[int]:  # 0..NUM_LAYERS-1 (the default -2,-1 is 9,10 of 11, as the records')
+        return [int(s) % self.num_layers for s in self.ve_layers.split(",") if s.strip()] if self.ve_enabled else []
 
 
 def _parse_value(key: str, raw: str, typ: str, choices: tuple[str, ...] | None):

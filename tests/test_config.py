@@ -31,7 +31,7 @@ REFERENCE_DEFAULTS = dict(
     num_layers=11, model_dim=512, num_heads=8, num_kv_heads=4, mlp_mult=3.0, mlp_negative_slope=0.5,
     tie_embeddings=True, tied_embed_init_std=0.005, rope_base=10000, rope_dims=16, logit_softcap=30,
     qk_gain_init=1.5, ln_scale=True, bigram_vocab_size=1536, bigram_dim=128, smear_enabled=True,
-    ve_enabled=True, ve_dim=128, ve_layers="9,10",
+    ve_enabled=True, ve_dim=128,
     matrix_lr=0.025, scalar_lr=0.025, tied_embed_lr=0.035, embed_lr=0.6, head_lr=0.008,
     muon_momentum_warmup_start=0.92, muon_momentum_warmup_steps=1500, muon_backend_steps=5, muon_wd=0.04,
     adam_wd=0.04, embed_wd=0.04, beta1=0.9, adam_eps=1e-8, grad_clip_norm=0.3,
@@ -57,7 +57,9 @@ def test_defaults_match_reference_settings():
             cfg.sparse_attn_gate_scale, cfg.attn_out_gate_enabled, cfg.smear_bos_fix) == (8, 11, True, True, 0.5, False, True)
     assert (cfg.muon_polar_express, cfg.muon_row_normalize, cfg.min_lr, cfg.muon_momentum, cfg.beta2,
             cfg.num_loops) == (True, True, 0.1, 0.97, 0.99, 0)
-    # derived shapes of the seed system: head_dim 64, KV width 256, value embeddings in layers 9 and 10
+    # derived shapes of the seed system: head_dim 64, KV width 256, value embeddings in layers 9 and 10 (the
+    # reference wrote "9,10"; ours "-2,-1", the last two layers at any depth)
+    assert cfg.ve_layers == "-2,-1"
     assert cfg.head_dim == 64 and cfg.num_kv_heads * cfg.head_dim == 256 and cfg.ve_layer_list == [9, 10]
     assert cfg.parallel_start == 8  # lanes in layers 8-10 of 11
     # RUN_ID unset: a random id, different each time; the config is frozen
@@ -92,6 +94,19 @@ def test_malformed_values_are_errors_naming_the_variable(key, raw):
     with pytest.raises(ValueError) as e:
         tg.Hyperparameters.from_env({key: raw})
     assert key in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("layers, given, want", [(11, "-2,-1", [9, 10]), (9, "-2,-1", [7, 8]), (2, "-2,-1", [0, 1]),
+                                                   (11, "9,10", [9, 10]), (4, "-1,0", [3, 0]), (3, "-3", [0])])
+def test_ve_layers_count_back_from_the_depth(layers, given, want):
+    assert make_cfg(NUM_LAYERS=layers, VE_LAYERS=given).ve_layer_list == want
+
+
+@pytest.mark.parametrize("given, message", [("-12", "outside -NUM_LAYERS..NUM_LAYERS-1"), ("11", "outside"),
+                                            ("-1,10", "names a layer twice"), ("9,--1", "malformed")])
+def test_ve_layers_out_of_range_or_twice_is_an_error(given, message):
+    with pytest.raises(ValueError, match=message):
+        make_cfg(VE_LAYERS=given)
 
 
 def test_malformed_ve_layers_is_an_error_naming_the_variable():
