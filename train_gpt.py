@@ -243,7 +243,8 @@ class Hyperparameters:
         need(all(s.strip().removeprefix("-").isdigit() for s in self.ve_layers.split(",") if s.strip()),
              f"malformed value for VE_LAYERS: {self.ve_layers!r} (expected comma-separated layer indices)")
         given = [int(s) for s in self.ve_layers.split(",") if s.strip()]
-        need(all(-self.num_layers <= i < self.num_layers for i in given), "VE_LAYERS outside -NUM_LAYERS..NUM_LAYERS-1")
+        need(not self.ve_enabled or all(-self.num_layers <= i < self.num_layers for i in given),
+             "VE_LAYERS outside -NUM_LAYERS..NUM_LAYERS-1")
         need(len(set(self.ve_layer_list)) == len(self.ve_layer_list), f"VE_LAYERS={self.ve_layers} names a layer twice")
         need(not self.ema_enabled or self.ema_horizon > 0 or self.ema_decay > 0, "EMA_HORIZON must be > 0 (or set EMA_DECAY)")
         need(self.num_loops == 0 or self.loop_start <= self.loop_end < self.num_layers,

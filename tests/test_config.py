@@ -109,6 +109,17 @@ def test_ve_layers_out_of_range_or_twice_is_an_error(given, message):
         make_cfg(VE_LAYERS=given)
 
 
+def test_artifacts_that_store_the_old_ve_layers_still_load():
+    """Every artifact and checkpoint before 2026-11-24 stores VE_LAYERS=9,10 (the old default), also with value
+    embeddings off or at another depth: adopting those settings must still validate."""
+    default = make_cfg()
+    for stored, want in ((dict(num_layers=11, ve_enabled=True, ve_layers="9,10"), [9, 10]),
+                         (dict(num_layers=9, ve_enabled=False, ve_layers="9,10"), []),
+                         (dict(num_layers=1, ve_enabled=False, ve_layers="-2,-1"), [])):
+        cfg, _ = tg.adopt_settings(default, stored, tuple(stored), set(), "artifact")
+        assert (cfg.num_layers, cfg.ve_layer_list) == (stored["num_layers"], want)
+
+
 def test_malformed_ve_layers_is_an_error_naming_the_variable():
     """VE_LAYERS is a str field split into ints later: a bad list must still name the variable."""
     with pytest.raises(ValueError) as e:

@@ -31,8 +31,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export DATA_PATH=/tmp/pg/datasets/proxy_sp1024 TOKENIZER_PATH=/tmp/pg/tokenizers/fineweb_1024_bpe.model PYTHONUNBUFFERED=1
 if [ "${SP8192:-0}" = 1 ]; then
   SP8192_DATA=/tmp/pg/datasets/proxy_sp8192 SP8192_TOKENIZER=$PWD/.gpu/data/tokenizers/fineweb_8192_bpe.model
-  [ -f $SP8192_DATA/fineweb_val_000000.bin ] || python3 data/retokenize.py --src $DATA_PATH --src-tokenizer \
-    $TOKENIZER_PATH --dst $SP8192_DATA --tokenizer $SP8192_TOKENIZER --workers 16 --overwrite | tail -1
+  if [ "$(ls $SP8192_DATA/fineweb_*.bin 2>/dev/null | wc -l)" -lt "$(ls $DATA_PATH/fineweb_*.bin | wc -l)" ]; then
+    python3 data/retokenize.py --src $DATA_PATH --src-tokenizer $TOKENIZER_PATH --dst $SP8192_DATA \
+      --tokenizer $SP8192_TOKENIZER --workers 16 --overwrite > /tmp/pg/retokenize.log 2>&1 \
+      && tail -1 /tmp/pg/retokenize.log || { cat /tmp/pg/retokenize.log; unset SP8192_DATA SP8192_TOKENIZER; }
+  fi
 fi
 unset SHARDS SP8192  # train_gpt.py refuses unknown settings that look like its own
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
