@@ -84,7 +84,7 @@ MODEL_SETTINGS = ("vocab_size", "num_layers", "model_dim", "num_heads", "num_kv_
                   "xsa_last_n", "bigram_vocab_size", "bigram_dim", "smear_enabled", "ve_enabled", "ve_dim", "ve_layers",
                   "num_loops", "loop_start", "loop_end", "parallel_start_layer", "parallel_final_lane",
                   "skip_gates_enabled", "attn_out_gate_enabled", "sparse_attn_gate_enabled", "sparse_attn_gate_scale",
-                  "gate_window", "smear_bos_fix")
+                  "gate_window", "smear_bos_fix", "doc_isolation")
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,7 @@ class Hyperparameters:
     sparse_attn_gate_init_std: float = 0.0  # its W's init std (0 = zeros)
     gate_window: int = 12  # leading channels of the attention input h (normalised) that the output gates read
     smear_bos_fix: bool = True  # SmearGate mixes nothing into a document's first token (BOS) from the one before
+    doc_isolation: bool = False  # nothing crosses a BOS: block-diagonal causal attention, BigramHash (train and score)
     attn_backend: str = "auto"  # auto = fa3 if importable, else SDPA cudnn (CUDA) / math (CPU)
     kernels: str = "auto"  # q/k norm+RoPE+gain, XSA, soft-capped cross entropy: auto = triton on CUDA, torch ops on CPU (triton there needs TRITON_INTERPRET=1)
     # --- optimizer
@@ -257,6 +258,8 @@ class Hyperparameters:
              "ATTN_OUT_GATE_ENABLED and SPARSE_ATTN_GATE_ENABLED are two forms of one gate: choose one "
              "(the sparse form is the default: add SPARSE_ATTN_GATE_ENABLED=0)")
         need(self.attn_gate_window <= self.model_dim, "GATE_WINDOW must be <= MODEL_DIM")
+        need(not (self.doc_isolation and self.smear_enabled and not self.smear_bos_fix),
+             "DOC_ISOLATION=1 needs SMEAR_BOS_FIX=1 (the SmearGate would carry the previous document into a BOS)")
         need(self.late_qat_threshold == 0 or self.min_lr < self.late_qat_threshold,
              "MIN_LR must be below LATE_QAT_THRESHOLD: late QAT starts when the lr scale falls under it")
         need(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
@@ -411,6 +414,8 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
     else:  # cuDNN SDPA (native GQA) ran fwd+bwd in 2.40 ms vs 3.71 for SDPA flash at the record micro-batch (H200)
         import importlib.util
         attn = ("fa3" if importlib.util.find_spec("flash_attn_interface") else "cudnn") if cuda else "math"
+    if cfg.doc_isolation and attn != "math":  # SDPA with a (B, T, T) mask; a GPU varlen backend is issue 23's next step
+        raise ValueError(f"DOC_ISOLATION=1 runs on ATTN_BACKEND=math only so far (the backend here is {attn})")
     kernels = cfg.kernels if cfg.kernels != "auto" else ("triton" if cuda and triton is not None else "torch")
     auto_on = {"auto": cuda, "1": True, "0": False}
     rt = Runtime(rank, world_size, local_rank, device, attn, kernels, auto_on[cfg.compile_enabled],
@@ -1005,7 +1010,13 @@ def qk_norm_rope_reference(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_
         y = torch.cat((y1 * cos + y2 * sin, y2 * cos - y1 * sin, rest), dim=-1)
     return y if gain_H is None else y * gain_H.to(y.dtype)[:, None]
 
-def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str) -> Tensor:
+def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str, docs_BT: Tensor | None = None) -> Tensor:
+    """Causal attention; with docs_BT (a document index per position), only within each document."""
+    if docs_BT is not None:
+        T = docs_BT.size(1)
+        mask = (docs_BT[:, :, None] == docs_BT[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=docs_BT.device).tril()
+        q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTKD, v_BTKD))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True).transpose(1, 2)
     if backend == "fa3":
         from flash_attn_interface import flash_attn_func  # FlashAttention-3 (Hopper), optional
         y = flash_attn_func(q_BTHD, k_BTKD, v_BTKD, causal=True)
@@ -1071,12 +1082,15 @@ def fake_quant_int6(w: Tensor, floor: float) -> Tensor:
     return w + (q - w).detach()
 
 
-def bigram_hash(ids_BT: Tensor, buckets: int) -> Tensor:
+def bigram_hash(ids_BT: Tensor, buckets: int, isolate: bool = False) -> Tensor:
     """BigramHash slot of each (previous, current) token pair: a multiplicative xor hash into buckets - 1 slots;
-    position 0 (no previous token) takes the last slot. In int64: int32 wrapped past id 59,138 (36313 * id),
-    and below that the two agree, so artifacts trained before keep their meaning."""
+    position 0 (no previous token) takes the last slot, and so does a BOS when documents are isolated. In int64:
+    int32 wrapped past id 59,138 (36313 * id), and below that the two agree, so artifacts trained before keep
+    their meaning."""
     t, mod = ids_BT.long(), buckets - 1
     h = torch.bitwise_xor(36313 * t[:, 1:], 27191 * t[:, :-1]) % mod
+    if isolate:
+        h = torch.where(t[:, 1:] == BOS_ID, mod, h)
     return torch.cat((torch.full_like(t[:, :1], mod), h), dim=1)
 
 
@@ -1163,7 +1177,7 @@ class GPT(nn.Module):
     def embed(self, ids_BT: Tensor) -> Tensor:
         x = self.tok_emb(ids_BT)
         if self.cfg.bigram_vocab_size > 0:
-            b = self.bigram.proj(self.bigram.embed(bigram_hash(ids_BT, self.cfg.bigram_vocab_size)))
+            b = self.bigram.proj(self.bigram.embed(bigram_hash(ids_BT, self.cfg.bigram_vocab_size, self.cfg.doc_isolation)))
             x = x + b * self.bigram.scale.to(b.dtype)
         x = rms_norm(x)
         if self.cfg.smear_enabled:
@@ -1191,6 +1205,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} > max(TRAIN_SEQ_LEN, EVAL_SEQ_LEN) = {self.rope_cos.size(0)}")
         H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         lns = [1.0 / math.sqrt(i + 1) if cfg.ln_scale else 1.0 for i in range(L)]  # by layer, not position
+        docs = torch.cumsum(ids_BT == BOS_ID, dim=1) if cfg.doc_isolation else None  # document index per position
 
         def attn(i: int, x: Tensor) -> Tensor:  # layer i's attention of its input x (pre-norm), scaled
             blk, ln = self.blocks[i], lns[i]
@@ -1204,7 +1219,7 @@ class GPT(nn.Module):
             v = v.view(B, T, K, hd)
             q = self.ops.qk_norm_rope(q.view(B, T, H, hd), self.rope_cos, self.rope_sin, blk.q_gain)
             k = self.ops.qk_norm_rope(k.view(B, T, K, hd), self.rope_cos, self.rope_sin, None)
-            y = attention(q, k, v, self.attn_backend)
+            y = attention(q, k, v, self.attn_backend, docs)
             if i >= L - cfg.xsa_last_n:
                 y = self.ops.xsa(y, v)
             if cfg.attn_gate_window:  # per head, from h's first channels

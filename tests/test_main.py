@@ -330,3 +330,18 @@ def test_a_finished_runs_checkpoint_exports_again_without_training(dataset, toke
     evaluated = (tmp_path / "logs" / "q_eval.txt").read_text()
     key = "final_int6_sliding_window_exact "
     assert one_line(evaluated, key) == one_line(again, key)
+
+
+def test_doc_isolation_trains_exports_and_scores_again_from_its_artifact(dataset, tokenizer_path, tmp_path):
+    """DOC_ISOLATION=1 end to end on the CPU (its one backend so far): training, export, and EVAL_ONLY, which
+    takes the setting from the artifact (left unset there) and scores exactly as the training run did."""
+    r = run_script(tiny_env(dataset, tokenizer_path, DOC_ISOLATION=1, ITERATIONS=4, RUN_ID="iso"), tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    trained = (tmp_path / "logs" / "iso.txt").read_text()
+    assert "setting doc_isolation:True" in trained
+    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY="logs/iso.int6.ptz", RUN_ID="iso_eval"), tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    evaluated = (tmp_path / "logs" / "iso_eval.txt").read_text()
+    assert "setting doc_isolation:True" in evaluated
+    key = "final_int6_sliding_window_exact "
+    assert one_line(evaluated, key) == one_line(trained, key)

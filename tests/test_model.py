@@ -205,6 +205,49 @@ def test_smear_gate_passes_nothing_across_a_bos(fix):
     assert (a[:, 1:8] - b[:, 1:8]).abs().max() > 1e-3  # the test can see a change
 
 
+def perturbed_feature_model(name: str, **extra) -> tg.GPT:
+    """feature_model's config with `extra` settings, the same non-zero weights, float64."""
+    ref = feature_model(name)
+    model = tg.GPT(make_cfg(**(MODEL_CONFIGS[name] | extra)))
+    model.load_state_dict(ref.state_dict())
+    return model.double().eval()
+
+
+@pytest.mark.parametrize("name", ["full", "loop", "gates", "mha"])
+def test_doc_isolation_equals_each_document_run_alone(name):
+    """DOC_ISOLATION=1 (issue 23): the logits of documents packed into one row equal those of each document run
+    alone, the leading piece (its BOS before the row) included; without isolation they do not. Independent of the
+    mask: the reference never sees two documents in one row."""
+    extra = dict(SMEAR_BOS_FIX=1) if name in ("full", "mha") else {}
+    model = perturbed_feature_model(name, DOC_ISOLATION=1, **extra)
+    plain = perturbed_feature_model(name, **extra)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(2, model.cfg.vocab_size, (2, 32), generator=g)
+    starts = [[5, 6, 19, 30], [1, 12]]  # BOS positions per row: a one-token document, one at the row's end
+    for row, ss in zip(ids, starts):
+        row[ss] = tg.BOS_ID
+    with torch.no_grad():
+        got, mixed = model.logits(ids), plain.logits(ids)
+        for b, ss in enumerate(starts):
+            for lo, hi in zip([0] + ss, ss + [32]):
+                if hi > lo:
+                    alone = model.logits(ids[b:b + 1, lo:hi])[0]
+                    # 1e-7 apart: RoPE's float32 tables rotate the same relative offsets from other positions
+                    torch.testing.assert_close(got[b, lo:hi], alone, rtol=1e-5, atol=1e-6)
+        assert (got - mixed).abs().max() > 1e-3  # isolation changes what crosses a BOS
+
+
+def test_doc_isolation_refuses_the_smear_without_its_bos_fix_and_gpu_backends(monkeypatch):
+    with pytest.raises(ValueError, match="SMEAR_BOS_FIX=1"):
+        make_cfg(DOC_ISOLATION=1, SMEAR_BOS_FIX=0)
+    make_cfg(DOC_ISOLATION=1, SMEAR_BOS_FIX=0, SMEAR_ENABLED=0)  # no smear, nothing to fix
+    tiny = dict(NUM_LAYERS=2, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=1, VOCAB_SIZE=64, VE_LAYERS="1", DOC_ISOLATION=1)
+    assert tg.init_runtime(make_cfg(**tiny, DEVICE="cpu"), {}).attn_backend == "math"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the check comes before any CUDA call
+    with pytest.raises(ValueError, match="DOC_ISOLATION=1 runs on ATTN_BACKEND=math only so far .* cudnn"):
+        tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch"), {})
+
+
 def test_loop_config_before_its_repeats_start_equals_plain_model():
     """Training runs the looped model without its repeats until ENABLE_LOOPING_AT: the same weights, order 0..L-1
     (U-Net over 5 positions), two lanes from layer 3 still."""

@@ -130,6 +130,32 @@ def test_scorer_matches_independent_scorers(sp, n, window, stride, batch):
     assert s.bpb == pytest.approx(ref_nll / ref_n / math.log(2) * ref_n / ref_bytes, rel=1e-9)
 
 
+@pytest.mark.parametrize("window, stride", [(32, 8), (32, 32), (16, 5)])
+def test_isolated_scoring_never_reaches_back_across_a_bos(sp, window, stride):
+    """DOC_ISOLATION=1 (issue 23 item 2): the sliding-window score equals a brute-force scorer that gives each
+    target only the context from its window's start or its document's BOS, whichever is later, one forward per
+    target; every target scored once, the same bytes as without isolation."""
+    cfg = tiny_cfg(eval_seq_len=window, doc_isolation=True)
+    model = random_model(cfg, seed=6, bank_std=0.2, table_std=0.5).double()
+    tokens = stream_tokens(sp, 40, seed=12)[:151]
+    n = tokens.numel() - 1
+    luts = tg.build_byte_luts(sp, cfg.vocab_size, CPU)
+    s = make_scorer(cfg, tokens, luts, 4)(model, stride)
+    nll, bos = 0.0, 0
+    with torch.inference_mode():
+        for t in range(n):
+            bos = t if tokens[t] == tg.BOS_ID else bos
+            start = 0 if t < window else ((t - window) // stride + 1) * stride
+            logits = model.logits(tokens[max(start, bos): t + 1][None])[0, -1]
+            nll += F.cross_entropy(logits.float()[None], tokens[t + 1: t + 2]).double().item()
+    plain_cfg = tiny_cfg(eval_seq_len=window)
+    plain_model = random_model(plain_cfg, seed=6, bank_std=0.2, table_std=0.5).double()  # the same weights
+    plain = make_scorer(plain_cfg, tokens, luts, 4)(plain_model, stride)
+    assert s.tokens == n and s.bytes == plain.bytes
+    assert s.loss == pytest.approx(nll / n, rel=1e-6)
+    assert abs(s.loss - plain.loss) > 1e-4  # the same weights without isolation score otherwise
+
+
 # =============================================================================================
 # 5. Exact val_bpb bytes
 # =============================================================================================
