@@ -1705,8 +1705,15 @@ class Scorer:
         self.batch_seqs = max(1, cfg.val_batch_size // (rt.world_size * rt.grad_accum * cfg.eval_seq_len))
 
     def windows(self, stride: int) -> Tensor:
-        return torch.tensor(sliding_windows(self.tokens.numel() - 1, self.cfg.eval_seq_len, stride),
-                            dtype=torch.int64, device=self.rt.device).view(-1, 3)
+        """sliding_windows over the targets; with DOC_ISOLATION over each document's own targets (from its BOS
+        to the next), so no window starts before its document: a short document is one window, not
+        EVAL_SEQ_LEN / stride masked ones (the rows read on into the next document, which the mask hides)."""
+        n, T = self.tokens.numel() - 1, self.cfg.eval_seq_len
+        starts = [0]
+        if self.cfg.doc_isolation:
+            starts = sorted({0} | set((self.tokens[:n] == BOS_ID).nonzero().flatten().tolist()))
+        wins = [(s + a, s + b, s + c) for s, e in zip(starts, starts[1:] + [n]) for a, b, c in sliding_windows(e - s, T, stride)]
+        return torch.tensor(wins, dtype=torch.int64, device=self.rt.device).view(-1, 3)
 
     def prepare(self, model: GPT):
         """model.logits, compiled when enabled; returns (fn, compile ms) from one fixed-shape call."""

@@ -132,21 +132,25 @@ def test_scorer_matches_independent_scorers(sp, n, window, stride, batch):
 
 @pytest.mark.parametrize("window, stride", [(32, 8), (32, 32), (16, 5)])
 def test_isolated_scoring_never_reaches_back_across_a_bos(sp, window, stride):
-    """DOC_ISOLATION=1 (issue 23 item 2): the sliding-window score equals a brute-force scorer that gives each
-    target only the context from its window's start or its document's BOS, whichever is later, one forward per
-    target; every target scored once, the same bytes as without isolation."""
+    """DOC_ISOLATION=1 (issue 23 item 2): sliding windows over each document alone. The score equals a brute-force
+    scorer that gives each target the context of the sliding-window rule applied from its document's BOS, one
+    forward per target; every target scored once, the same bytes as without isolation."""
     cfg = tiny_cfg(eval_seq_len=window, doc_isolation=True)
     model = random_model(cfg, seed=6, bank_std=0.2, table_std=0.5).double()
-    tokens = stream_tokens(sp, 40, seed=12)[:151]
+    tokens = stream_tokens(sp, 40, seed=12)[:401]
     n = tokens.numel() - 1
+    bounds = (tokens[:n] == tg.BOS_ID).nonzero().flatten().tolist() + [n]
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert bounds[0] == 0 and len(lengths) >= 3 and max(lengths) > window, lengths  # several windows in a document
     luts = tg.build_byte_luts(sp, cfg.vocab_size, CPU)
     s = make_scorer(cfg, tokens, luts, 4)(model, stride)
     nll, bos = 0.0, 0
     with torch.inference_mode():
         for t in range(n):
             bos = t if tokens[t] == tg.BOS_ID else bos
-            start = 0 if t < window else ((t - window) // stride + 1) * stride
-            logits = model.logits(tokens[max(start, bos): t + 1][None])[0, -1]
+            u = t - bos  # the target's index in its document
+            start = bos + (0 if u < window else ((u - window) // stride + 1) * stride)
+            logits = model.logits(tokens[start: t + 1][None])[0, -1]
             nll += F.cross_entropy(logits.float()[None], tokens[t + 1: t + 2]).double().item()
     plain_cfg = tiny_cfg(eval_seq_len=window)
     plain_model = random_model(plain_cfg, seed=6, bank_std=0.2, table_std=0.5).double()  # the same weights

@@ -251,11 +251,17 @@ def _loaded(cfg, state) -> tg.GPT:
     (301, 37, 32),   # stride == window (no overlap), odd chunk
     (200, 1000, 5),  # one chunk longer than the stream
 ])
-def test_epochs_zero_is_plain_scoring_and_every_target_scored_once(monkeypatch, n_targets, chunk, stride):
+@pytest.mark.parametrize("iso", [False, True])
+def test_epochs_zero_is_plain_scoring_and_every_target_scored_once(monkeypatch, n_targets, chunk, stride, iso):
     """Loss/bpb 1e-12 relative (the float64 sums are grouped per chunk instead of per batch), tokens and
-    bytes exact, weights exactly unchanged. Coverage from the windows each chunk really scored."""
-    cfg = ttt_cfg(ttt_chunk_tokens=chunk, eval_stride=stride, ttt_epochs=0)
+    bytes exact, weights exactly unchanged. Coverage from the windows each chunk really scored. With
+    DOC_ISOLATION the windows are each document's own (issue 23: the TTT score with no updates equals the
+    sliding-window score with the same isolation)."""
+    cfg = ttt_cfg(ttt_chunk_tokens=chunk, eval_stride=stride, ttt_epochs=0, doc_isolation=iso)
     tokens, luts = make_tokens(n_targets + 1, seed=6), make_luts(2)
+    if iso:  # documents of 1 to 70 tokens
+        bos = torch.tensor([0, 3, 4, 60, 130, 140, 141, 200, 270, 300])
+        tokens[bos[bos <= n_targets]] = tg.BOS_ID
     model = random_model(cfg, seed=7)
     before = snapshot(model)
     plain = make_scorer(cfg, tokens, luts, batch_seqs=3)(model, stride)
