@@ -1010,13 +1010,18 @@ def qk_norm_rope_reference(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_
         y = torch.cat((y1 * cos + y2 * sin, y2 * cos - y1 * sin, rest), dim=-1)
     return y if gain_H is None else y * gain_H.to(y.dtype)[:, None]
 
-def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str, docs_BT: Tensor | None = None) -> Tensor:
-    """Causal attention; with docs_BT (a document index per position), only within each document."""
-    if docs_BT is not None:
-        T = docs_BT.size(1)
-        mask = (docs_BT[:, :, None] == docs_BT[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=docs_BT.device).tril()
+def document_mask(ids_BT: Tensor) -> Tensor:
+    """(B, 1, T, T) attention mask: causal, and only within a document (a BOS to the next; a row's first
+    tokens, before its first BOS, are one more)."""
+    docs, T = torch.cumsum(ids_BT == BOS_ID, dim=1), ids_BT.size(1)
+    return ((docs[:, :, None] == docs[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=ids_BT.device).tril())[:, None]
+
+
+def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str, mask: Tensor | None = None) -> Tensor:
+    """Causal attention; with a document_mask, only within each document (SDPA with that mask)."""
+    if mask is not None:
         q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTKD, v_BTKD))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
     if backend == "fa3":
         from flash_attn_interface import flash_attn_func  # FlashAttention-3 (Hopper), optional
         y = flash_attn_func(q_BTHD, k_BTKD, v_BTKD, causal=True)
@@ -1205,7 +1210,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} > max(TRAIN_SEQ_LEN, EVAL_SEQ_LEN) = {self.rope_cos.size(0)}")
         H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         lns = [1.0 / math.sqrt(i + 1) if cfg.ln_scale else 1.0 for i in range(L)]  # by layer, not position
-        docs = torch.cumsum(ids_BT == BOS_ID, dim=1) if cfg.doc_isolation else None  # document index per position
+        doc_mask = document_mask(ids_BT) if cfg.doc_isolation else None  # built once for all layers
 
         def attn(i: int, x: Tensor) -> Tensor:  # layer i's attention of its input x (pre-norm), scaled
             blk, ln = self.blocks[i], lns[i]
@@ -1219,7 +1224,7 @@ class GPT(nn.Module):
             v = v.view(B, T, K, hd)
             q = self.ops.qk_norm_rope(q.view(B, T, H, hd), self.rope_cos, self.rope_sin, blk.q_gain)
             k = self.ops.qk_norm_rope(k.view(B, T, K, hd), self.rope_cos, self.rope_sin, None)
-            y = attention(q, k, v, self.attn_backend, docs)
+            y = attention(q, k, v, self.attn_backend, doc_mask)
             if i >= L - cfg.xsa_last_n:
                 y = self.ops.xsa(y, v)
             if cfg.attn_gate_window:  # per head, from h's first channels
@@ -2731,8 +2736,9 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     if not Path(cfg.tokenizer_path).is_file():
         raise FileNotFoundError(f"TOKENIZER_PATH {cfg.tokenizer_path} does not exist: {GET_DATA}")
     sp = spm.SentencePieceProcessor(model_file=cfg.tokenizer_path)
-    if cfg.smear_bos_fix and sp.bos_id() != BOS_ID:
-        raise ValueError(f"SMEAR_BOS_FIX=1 finds documents by BOS id {BOS_ID}; TOKENIZER_PATH's is {sp.bos_id()}")
+    if (cfg.smear_bos_fix or cfg.doc_isolation) and sp.bos_id() != BOS_ID:
+        raise ValueError(f"SMEAR_BOS_FIX=1 and DOC_ISOLATION=1 find documents by BOS id {BOS_ID}; "
+                         f"TOKENIZER_PATH's is {sp.bos_id()}")
     luts = build_byte_luts(sp, cfg.vocab_size, rt.device)
     val_files = shard_files(cfg.data_path, "val")
     val_tokens = torch.from_numpy(np.concatenate([np.asarray(open_shard(f, cfg.vocab_size)) for f in val_files])

@@ -345,3 +345,18 @@ def test_doc_isolation_trains_exports_and_scores_again_from_its_artifact(dataset
     assert "setting doc_isolation:True" in evaluated
     key = "final_int6_sliding_window_exact "
     assert one_line(evaluated, key) == one_line(trained, key)
+
+
+def test_doc_isolation_refuses_a_tokenizer_whose_bos_is_not_1(dataset, tokenizer_path, tmp_path):
+    """Documents are found by BOS id 1: with another tokenizer, isolation would split at the wrong token. The
+    check holds with the SmearGate (and its BOS fix) off."""
+    import sentencepiece as spm
+    from conftest import sample_text
+    bos2 = tmp_path / "bos2.model"
+    with open(bos2, "wb") as f:
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(sample_text(200)), model_writer=f, vocab_size=TINY_VOCAB,
+                                       model_type="bpe", byte_fallback=True, pad_id=0, bos_id=2, eos_id=1, unk_id=3,
+                                       minloglevel=2)
+    env = tiny_env(dataset, tokenizer_path, DOC_ISOLATION=1, SMEAR_ENABLED=0, SMEAR_BOS_FIX=0, RUN_ID="bos2")
+    r = run_script(env | {"TOKENIZER_PATH": str(bos2)}, tmp_path)
+    assert r.returncode != 0 and "DOC_ISOLATION=1 find documents by BOS id 1; TOKENIZER_PATH's is 2" in r.stderr

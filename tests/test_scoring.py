@@ -130,18 +130,19 @@ def test_scorer_matches_independent_scorers(sp, n, window, stride, batch):
     assert s.bpb == pytest.approx(ref_nll / ref_n / math.log(2) * ref_n / ref_bytes, rel=1e-9)
 
 
-@pytest.mark.parametrize("window, stride", [(32, 8), (32, 32), (16, 5)])
-def test_isolated_scoring_never_reaches_back_across_a_bos(sp, window, stride):
+@pytest.mark.parametrize("window, stride, lead", [(32, 8, 0), (32, 32, 0), (16, 5, 0), (32, 8, 7)])
+def test_isolated_scoring_never_reaches_back_across_a_bos(sp, window, stride, lead):
     """DOC_ISOLATION=1 (issue 23 item 2): sliding windows over each document alone. The score equals a brute-force
     scorer that gives each target the context of the sliding-window rule applied from its document's BOS, one
-    forward per target; every target scored once, the same bytes as without isolation."""
+    forward per target; every target scored once, the same bytes as without isolation. lead > 0: the stream
+    starts inside a document (its first tokens, before any BOS, are scored as one)."""
     cfg = tiny_cfg(eval_seq_len=window, doc_isolation=True)
     model = random_model(cfg, seed=6, bank_std=0.2, table_std=0.5).double()
-    tokens = stream_tokens(sp, 40, seed=12)[:401]
+    tokens = stream_tokens(sp, 40, seed=12)[lead: lead + 401]
     n = tokens.numel() - 1
-    bounds = (tokens[:n] == tg.BOS_ID).nonzero().flatten().tolist() + [n]
+    bounds = sorted({0} | set((tokens[:n] == tg.BOS_ID).nonzero().flatten().tolist())) + [n]
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-    assert bounds[0] == 0 and len(lengths) >= 3 and max(lengths) > window, lengths  # several windows in a document
+    assert (tokens[0] == tg.BOS_ID) == (lead == 0) and len(lengths) >= 3 and max(lengths) > window, lengths
     luts = tg.build_byte_luts(sp, cfg.vocab_size, CPU)
     s = make_scorer(cfg, tokens, luts, 4)(model, stride)
     nll, bos = 0.0, 0

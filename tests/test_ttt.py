@@ -281,14 +281,17 @@ def test_epochs_zero_is_plain_scoring_and_every_target_scored_once(monkeypatch, 
     assert (covered == 1).all()
 
 
+@pytest.mark.parametrize("iso", [False, True])
 @pytest.mark.parametrize("n_targets, chunk, stride", [(421, 50, 12), (300, 20, 24), (200, 1000, 5)])
-def test_training_does_not_change_what_is_scored(n_targets, chunk, stride):
+def test_training_does_not_change_what_is_scored(n_targets, chunk, stride, iso):
     """With training on, the same targets and bytes are scored (exact), the weights after TTT are exactly
     those that scored the last chunk (it is never trained on; with one chunk nothing is trained: the
     cosine lr is 0 only at the last of several chunks, so this case is the one that shows it), and the
     loss changes iff there was a chunk to train on."""
-    cfg = ttt_cfg(ttt_chunk_tokens=chunk, eval_stride=stride, ttt_epochs=1)
+    cfg = ttt_cfg(ttt_chunk_tokens=chunk, eval_stride=stride, ttt_epochs=1, doc_isolation=iso)
     tokens, luts = make_tokens(n_targets + 1, seed=8), make_luts(3)
+    if iso:  # DOC_ISOLATION trains through the document mask too
+        tokens[torch.arange(0, n_targets, 37)] = tg.BOS_ID
     model = random_model(cfg, seed=9)
     plain = make_scorer(cfg, tokens, luts)(model, stride)
     score, snaps = run_ttt(cfg, model, make_scorer(cfg, tokens, luts))
