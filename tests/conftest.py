@@ -65,6 +65,16 @@ def sample_text(n_docs: int, seed: int = 0) -> list[str]:
     return docs
 
 
+def bos2_tokenizer(path: Path, docs: list[str], vocab_size: int) -> Path:
+    """A tokenizer whose BOS id is 2 (EOS 1), for the checks that find documents by BOS id 1."""
+    import sentencepiece as spm
+    with open(path, "wb") as f:
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(docs), model_writer=f, vocab_size=vocab_size,
+                                       model_type="bpe", byte_fallback=True, pad_id=0, bos_id=2, eos_id=1, unk_id=3,
+                                       minloglevel=2)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tokenizer_path(tmp_path_factory) -> Path:
     import sentencepiece as spm

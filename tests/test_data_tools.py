@@ -19,6 +19,7 @@ import pytest
 import sentencepiece as spm
 
 import train_gpt as tg
+from conftest import bos2_tokenizer
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 sys.path.insert(0, str(DATA_DIR))
@@ -338,15 +339,6 @@ def test_training_is_deterministic(tmp_path):
     assert "tokenizer_sp384.model" in outputs[0] and len(outputs[0]) >= 4
 
 
-def _bos2_tokenizer(tmp_path) -> Path:
-    path = tmp_path / "bos2.model"
-    with open(path, "wb") as f:
-        spm.SentencePieceTrainer.train(sentence_iterator=iter(synthetic_docs(200)), model_writer=f, vocab_size=TINY_VOCAB,
-                                       model_type="bpe", byte_fallback=True, pad_id=0, bos_id=2, eos_id=1, unk_id=3,
-                                       minloglevel=2)
-    return path
-
-
 @pytest.mark.parametrize("content, extra, message", [
     ("\n\n  \n", [], "no documents in the input"),
     ("\n\n", ["--train-tokenizer", "--vocab-size", "384"], "no documents to train the tokenizer"),
@@ -379,7 +371,7 @@ def test_make_shards_errors_jsonl(tmp_path, tiny_tokenizer, lines, message):
 def test_make_shards_rejects_bad_tokenizer_and_input_type(tmp_path, tiny_tokenizer):
     docs = write_jsonl(tmp_path / "in.jsonl", synthetic_docs(5))
     with pytest.raises(SystemExit, match=r"bos2\.model: bos_id is 2"):
-        make_shards.main(["--input", str(docs), "--out", str(tmp_path / "o"), "--tokenizer", str(_bos2_tokenizer(tmp_path))])
+        make_shards.main(["--input", str(docs), "--out", str(tmp_path / "o"), "--tokenizer", str(bos2_tokenizer(tmp_path / "bos2.model", synthetic_docs(200), TINY_VOCAB))])
     (tmp_path / "in.csv").write_text("a,b\n")
     with pytest.raises(SystemExit, match=r"in\.csv: unsupported input type '\.csv'"):
         make_shards.main(["--input", str(tmp_path / "in.csv"), "--out", str(tmp_path / "o"), "--tokenizer", str(tiny_tokenizer)])

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SCRIPT, TINY_VOCAB, run_script, run_script_interrupted, tiny_env, write_shard
+from conftest import (SCRIPT, TINY_VOCAB, bos2_tokenizer, run_script, run_script_interrupted, sample_text, tiny_env,
+                      write_shard)
 
 import train_gpt as tg
 
@@ -350,13 +351,7 @@ def test_doc_isolation_trains_exports_and_scores_again_from_its_artifact(dataset
 def test_doc_isolation_refuses_a_tokenizer_whose_bos_is_not_1(dataset, tokenizer_path, tmp_path):
     """Documents are found by BOS id 1: with another tokenizer, isolation would split at the wrong token. The
     check holds with the SmearGate (and its BOS fix) off."""
-    import sentencepiece as spm
-    from conftest import sample_text
-    bos2 = tmp_path / "bos2.model"
-    with open(bos2, "wb") as f:
-        spm.SentencePieceTrainer.train(sentence_iterator=iter(sample_text(200)), model_writer=f, vocab_size=TINY_VOCAB,
-                                       model_type="bpe", byte_fallback=True, pad_id=0, bos_id=2, eos_id=1, unk_id=3,
-                                       minloglevel=2)
+    bos2 = bos2_tokenizer(tmp_path / "bos2.model", sample_text(200), TINY_VOCAB)
     env = tiny_env(dataset, tokenizer_path, DOC_ISOLATION=1, SMEAR_ENABLED=0, SMEAR_BOS_FIX=0, RUN_ID="bos2")
     r = run_script(env | {"TOKENIZER_PATH": str(bos2)}, tmp_path)
     assert r.returncode != 0 and "DOC_ISOLATION=1 find documents by BOS id 1; TOKENIZER_PATH's is 2" in r.stderr
