@@ -12,6 +12,7 @@ Model, Kernels (and build_model), Scoring, Legal TTT, Export, Training, main.
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import difflib
 import glob
@@ -60,19 +61,20 @@ CHOICES = {"compressor": ("auto", "zstd", "lzma", "fast", "rans"), "compile_enab
            "attn_backend": ("auto", "fa3", "flash", "cudnn", "math"), "muon_reduce_dtype": ("auto", "bf16", "fp32"),
            "device": ("auto", "cuda", "cpu"), "train_sampling": ("sequential", "coprime"),
            "kernels": ("auto", "triton", "torch"), "cuda_graphs": ("auto", "0", "1"),
-           "parallel_final_lane": ("mean", "attn", "mlp")}
+           "parallel_final_lane": ("mean", "attn", "mlp"), "ttt_mode": ("sgd", "lora")}
 
 
 # Value ranges, checked before anything runs (a zero head count or a negative learning rate is a typo, not a run).
 POSITIVE = ("vocab_size", "num_layers", "model_dim", "num_heads", "num_kv_heads", "mlp_mult", "rope_base",
             "train_seq_len", "train_batch_tokens", "eval_seq_len", "eval_stride", "val_batch_size", "bigram_dim",
             "ve_dim", "muon_backend_steps", "adam_eps", "ttt_chunk_tokens", "ttt_batch_seqs", "ttt_grad_clip",
+            "ttt_lora_rank", "ttt_lora_alpha", "ttt_lora_lr", "ttt_chunk_size", "ttt_batch_size",
             "sparse_attn_gate_scale", "gate_window")
 NON_NEGATIVE = ("iterations", "warmup_steps", "warmdown_iters", "max_wallclock_seconds", "grad_accum_steps",
                 "mlp_negative_slope", "tied_embed_init_std", "logit_softcap", "xsa_last_n", "bigram_vocab_size",
                 "matrix_lr", "scalar_lr", "tied_embed_lr", "embed_lr", "head_lr", "muon_momentum_warmup_steps",
                 "muon_wd", "adam_wd", "embed_wd", "grad_clip_norm", "ema_horizon", "late_qat_threshold", "val_loss_every",
-                "train_log_every", "checkpoint_every", "ttt_lr", "ttt_epochs", "ttt_freeze_blocks",
+                "train_log_every", "checkpoint_every", "ttt_lr", "ttt_epochs", "ttt_freeze_blocks", "ttt_weight_decay",
                 "matrix_clip_sigmas", "mlp_clip_sigmas", "attn_clip_sigmas", "gptq_calibration_batches",
                 "gptq_reserve_seconds", "num_loops", "loop_start", "loop_end", "parallel_start_layer",
                 "sparse_attn_gate_init_std")
@@ -200,6 +202,13 @@ class Hyperparameters:
     ttt_momentum: float = 0.9  # SGD momentum
     ttt_batch_seqs: int = 32  # sequences (TRAIN_SEQ_LEN) per TTT step, over all ranks
     ttt_grad_clip: float = 1.0  # global grad-norm clip
+    ttt_mode: str = "sgd"  # sgd: the above | lora: per-document LoRA adapters (needs DOC_ISOLATION=1)
+    ttt_lora_rank: int = 80  # lora: adapter rank (q, k, v, o and MLP of every layer, and the head)
+    ttt_lora_alpha: float = 144.0  # lora: adapter output x ALPHA / RANK
+    ttt_lora_lr: float = 1e-4  # lora: AdamW lr (betas 0, 0.99; eps 1e-10)
+    ttt_weight_decay: float = 0.5  # lora: AdamW weight decay of the adapters
+    ttt_chunk_size: int = 48  # lora: targets per chunk of a document: score it, then TTT_EPOCHS steps on it
+    ttt_batch_size: int = 64  # lora: documents per batch on each rank (adapters reset per batch)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> tuple["Hyperparameters", list[str]]:
@@ -263,6 +272,8 @@ class Hyperparameters:
         need(self.late_qat_threshold == 0 or self.min_lr < self.late_qat_threshold,
              "MIN_LR must be below LATE_QAT_THRESHOLD: late QAT starts when the lr scale falls under it")
         need(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
+        need(self.ttt_mode != "lora" or self.doc_isolation,
+             "TTT_MODE=lora adapts per document, so it needs DOC_ISOLATION=1 (windows and attention within a document)")
         need(self.max_wallclock_seconds == 0 or self.gptq_reserve_seconds < self.max_wallclock_seconds,
              "GPTQ_RESERVE_SECONDS must be below MAX_WALLCLOCK_SECONDS")
         need(4 <= self.embed_bits <= 8, "EMBED_BITS must be in 4..8 (codes are stored as int8)")
@@ -1112,6 +1123,36 @@ class Block(nn.Module):
             self.attn_gate_w = nn.Parameter(torch.zeros(num_heads, gate_window))
 
 
+class DocLoRA(nn.Module):
+    """TTT_MODE=lora's adapters (the 04-10..04-27 records' LoRA TTT): row b of a batch is document b, with its own
+    rank-r pair (A: r x in, B: out x r) on q, k, v, o and the MLP of every layer and on the head; each adds
+    ALPHA/r * B A x, where x is the normed input of the block (attention or MLP) or the final hidden state.
+    reset() sets B = 0, so a fresh adapter leaves the model unchanged, and every row's A to one fixed draw
+    (U(+-1/sqrt(in))): a document's result depends on nothing but its own tokens."""
+
+    def __init__(self, cfg: Hyperparameters, rows: int, device: torch.device):
+        super().__init__()
+        D, KV, r = cfg.model_dim, cfg.num_kv_heads * cfg.head_dim, cfg.ttt_lora_rank
+        outs = {"attn.q": D, "attn.k": KV, "attn.v": KV, "attn.o": D, "mlp": D}
+        keys = [(n, i) for i in range(cfg.num_layers) for n in outs] + [("head", 0)]
+        self.index = {key: j for j, key in enumerate(keys)}
+        self.A = nn.ParameterList(torch.empty(rows, r, D, device=device) for _ in keys)
+        self.B = nn.ParameterList(torch.empty(rows, outs.get(n, cfg.vocab_size), r, device=device) for n, _ in keys)
+        self.scale = cfg.ttt_lora_alpha / r
+        self.reset()
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        for a, b in zip(self.A, self.B):
+            a.copy_(((torch.rand(a.shape[1:], generator=g) * 2 - 1) * a.size(-1) ** -0.5).expand_as(a))
+            b.zero_()
+
+    def delta(self, name: str, i: int, x_BTI: Tensor) -> Tensor:
+        j = self.index[name, i]
+        return (x_BTI @ self.A[j].mT.to(x_BTI.dtype)) @ (self.scale * self.B[j].mT).to(x_BTI.dtype)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: Hyperparameters, attn_backend: str = "math", ops: Ops = TORCH_OPS):
         super().__init__()
@@ -1192,7 +1233,7 @@ class GPT(nn.Module):
             x = (1 - g) * x + g * F.pad(x[:, :-1], (0, 0, 1, 0))
         return x
 
-    def hidden(self, ids_BT: Tensor) -> Tensor:
+    def hidden(self, ids_BT: Tensor, lora: DocLoRA | None = None) -> Tensor:
         cfg, L = self.cfg, self.cfg.num_layers
         x = self.embed(ids_BT)
         x0, skips = x, []
@@ -1219,6 +1260,8 @@ class GPT(nn.Module):
             # one GEMM for q|k|v (1.6-1.9 ms per record step less than three, in three same-call A/Bs)
             qkv = F.linear(h, torch.cat((w["attn.q"], w["attn.k"], w["attn.v"])))
             q, k, v = qkv.split((H * hd, K * hd, K * hd), dim=-1)
+            if lora is not None:
+                q, k, v = (t + lora.delta(n, i, h) for t, n in ((q, "attn.q"), (k, "attn.k"), (v, "attn.v")))
             if i in cfg.ve_layer_list:
                 v = v + ve_BTK * self.ve_layer_scales[cfg.ve_layer_list.index(i)].to(v.dtype)
             v = v.view(B, T, K, hd)
@@ -1231,14 +1274,15 @@ class GPT(nn.Module):
                 z = F.linear(h[..., :cfg.attn_gate_window], blk.attn_gate_w.to(h.dtype))
                 g = 2 * torch.sigmoid(z) if cfg.attn_out_gate_enabled else torch.sigmoid(cfg.sparse_attn_gate_scale * z)
                 y = y * g[..., None]
-            y = self.observe(("attn.o",), i, y.reshape(B, T, H * hd))
-            return blk.attn_scale.to(x.dtype) * F.linear(y, w["attn.o"])
+            y = F.linear(self.observe(("attn.o",), i, y.reshape(B, T, H * hd)), w["attn.o"])
+            return blk.attn_scale.to(x.dtype) * (y if lora is None else y + lora.delta("attn.o", i, h))
 
         def mlp(i: int, x: Tensor) -> Tensor:
-            u = F.linear(self.observe(("mlp.up",), i, rms_norm(x) * lns[i]), layer_matrix(banks, "mlp.up", i, L))
+            h = self.observe(("mlp.up",), i, rms_norm(x) * lns[i])
+            u = F.linear(h, layer_matrix(banks, "mlp.up", i, L))
             u = F.leaky_relu(u, cfg.mlp_negative_slope) if cfg.mlp_negative_slope > 0 else F.relu(u)
-            u = self.observe(("mlp.down",), i, u.square())
-            return self.blocks[i].mlp_scale.to(x.dtype) * F.linear(u, layer_matrix(banks, "mlp.down", i, L))
+            u = F.linear(self.observe(("mlp.down",), i, u.square()), layer_matrix(banks, "mlp.down", i, L))
+            return self.blocks[i].mlp_scale.to(x.dtype) * (u if lora is None else u + lora.delta("mlp", i, h))
 
         order, parallel, P = layer_order(cfg, self.looping), parallel_positions(cfg, self.looping), cfg.parallel_start
         n_enc, lanes = len(order) // 2, None  # lanes: (attention's, MLP's) from the first parallel layer on
@@ -1278,11 +1322,13 @@ class GPT(nn.Module):
                 self.hessians[n, i] = self.hessians.get((n, i), 0) + xtx
         return x_BTC
 
-    def raw_logits(self, ids_BT: Tensor) -> Tensor:
-        return F.linear(self.hidden(ids_BT), self.tok_emb.weight if self.cfg.tie_embeddings else self.lm_head.weight)
+    def raw_logits(self, ids_BT: Tensor, lora: DocLoRA | None = None) -> Tensor:
+        h = self.hidden(ids_BT, lora)
+        z = F.linear(h, self.tok_emb.weight if self.cfg.tie_embeddings else self.lm_head.weight)
+        return z if lora is None else z + lora.delta("head", 0, h)
 
-    def logits(self, ids_BT: Tensor) -> Tensor:
-        return softcap(self.raw_logits(ids_BT), self.cfg.logit_softcap)
+    def logits(self, ids_BT: Tensor, lora: DocLoRA | None = None) -> Tensor:
+        return softcap(self.raw_logits(ids_BT, lora), self.cfg.logit_softcap)
 
     def forward(self, ids_BT: Tensor, targets_BT: Tensor) -> Tensor:  # the mean training loss
         return self.ops.loss(self.raw_logits(ids_BT).flatten(0, 1), targets_BT.flatten(), self.cfg.logit_softcap)
@@ -1713,12 +1759,14 @@ class Scorer:
         """sliding_windows over the targets; with DOC_ISOLATION over each document's own targets (from its BOS
         to the next), so no window starts before its document: a short document is one window, not
         EVAL_SEQ_LEN / stride masked ones (the rows read on into the next document, which the mask hides)."""
-        n, T = self.tokens.numel() - 1, self.cfg.eval_seq_len
-        starts = [0]
-        if self.cfg.doc_isolation:
-            starts = sorted({0} | set((self.tokens[:n] == BOS_ID).nonzero().flatten().tolist()))
+        n, T, starts = self.tokens.numel() - 1, self.cfg.eval_seq_len, self.doc_starts()
         wins = [(s + a, s + b, s + c) for s, e in zip(starts, starts[1:] + [n]) for a, b, c in sliding_windows(e - s, T, stride)]
         return torch.tensor(wins, dtype=torch.int64, device=self.rt.device).view(-1, 3)
+
+    def doc_starts(self) -> list[int]:
+        """The first target of each document (its BOS) with DOC_ISOLATION, else [0]: the whole stream is one."""
+        n = self.tokens.numel() - 1
+        return sorted({0} | set((self.tokens[:n] == BOS_ID).nonzero().flatten().tolist())) if self.cfg.doc_isolation else [0]
 
     def prepare(self, model: GPT):
         """model.logits, compiled when enabled; returns (fn, compile ms) from one fixed-shape call."""
@@ -1741,7 +1789,6 @@ class Scorer:
         bytes) float64 sums, not yet reduced over ranks."""
         rt, B = self.rt, self.batch_seqs
         mine = wins[wins.size(0) * rt.rank // rt.world_size: wins.size(0) * (rt.rank + 1) // rt.world_size]
-        base, space, boundary = self.luts
         sums = torch.zeros(3, dtype=torch.float64, device=rt.device)  # nll, tokens, bytes
         for b0 in range(0, mine.size(0), B):
             w = mine[b0: b0 + B]
@@ -1749,11 +1796,14 @@ class Scorer:
             x, y, mask = self.rows(w[:, 0], w[:, 1] - w[:, 0], w[:, 2] - w[:, 0], self.cfg.eval_seq_len)
             with autocast(rt.device):
                 logits = fn(x)
-            nll = cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(B, -1)
-            nbytes = base[y].double() + (space[y] & ~boundary[x]).double()
-            m = mask.double()
-            sums += torch.stack(((nll.double() * m).sum(), m.sum(), (nbytes * m).sum()))
+            sums += self.sums(cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(B, -1), x, y, mask)
         return sums
+
+    def sums(self, nll_BT: Tensor, x_BT: Tensor, y_BT: Tensor, mask_BT: Tensor) -> Tensor:
+        """(nll, tokens, bytes) float64 sums over the masked targets (the val_bpb byte rule)."""
+        base, space, boundary = self.luts
+        nbytes, m = base[y_BT].double() + (space[y_BT] & ~boundary[x_BT]).double(), mask_BT.double()
+        return torch.stack(((nll_BT.double() * m).sum(), m.sum(), (nbytes * m).sum()))
 
     def __call__(self, model: GPT, stride: int) -> Score:
         was_training = model.training
@@ -1844,6 +1894,60 @@ def ttt_sync_grads(model: GPT, params: list[Tensor], frozen: list[int], num_laye
     if n > 0:
         model.parallel_resid.grad[:n].zero_()
         model.parallel_post.grad[:n].zero_()
+
+
+def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log: Logger,
+             nll_out: Tensor | None = None) -> Score:
+    """TTT_MODE=lora, score-first per document (FRONTIER 2.2). The scorer's per-document sliding windows are
+    cut into chunks of TTT_CHUNK_SIZE scored targets, each keeping its window's start, so a chunk's targets see
+    exactly the context they have in the sliding-window score. Documents, longest first, go in batches of
+    TTT_BATCH_SIZE (batch k on rank k % WORLD_SIZE), one row each, with fresh adapters and AdamW state per
+    batch. Step t scores every document's chunk t with the adapters trained on its chunks < t, then takes
+    TTT_EPOCHS AdamW steps on the sum over documents of each one's mean chunk NLL (a document's last chunk is
+    not trained on). Rows never interact and AdamW is elementwise, so a document's score is what it would get
+    alone. nll_out (tests): receives each target's NLL."""
+    T, C, R = cfg.eval_seq_len, cfg.ttt_chunk_size, cfg.ttt_batch_size
+    starts = scorer.doc_starts()
+    docs: list[list[tuple[int, int, int]]] = [[] for _ in starts]
+    for s, lo, hi in scorer.windows(cfg.eval_stride).tolist():
+        docs[bisect.bisect_right(starts, s) - 1] += [(s, a, min(a + C, hi)) for a in range(lo, hi, C)]
+    docs.sort(key=len, reverse=True)
+    batches = [docs[k: k + R] for k in range(0, len(docs), R)][rt.rank::rt.world_size]
+    lora = DocLoRA(cfg, R, rt.device)
+    model.eval()
+    model.requires_grad_(False)
+    fn, compile_ms = compiled(model.logits, rt), 0.0
+    sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
+    t0 = now_ms(rt.device)
+    for k, batch in enumerate(batches):
+        lora.reset()
+        opt = torch.optim.AdamW(lora.parameters(), lr=cfg.ttt_lora_lr, betas=(0.0, 0.99), eps=1e-10,
+                                weight_decay=cfg.ttt_weight_decay)
+        for t in range(len(batch[0])):
+            w = torch.tensor([d[t] if t < len(d) else (0, 0, 0) for d in batch] + [(0, 0, 0)] * (R - len(batch)),
+                             device=rt.device)
+            x, y, mask = scorer.rows(w[:, 0], w[:, 1] - w[:, 0], w[:, 2] - w[:, 0], T)
+            train = torch.tensor([t < len(d) - 1 for d in batch] + [False] * (R - len(batch)), device=rt.device)
+            for epoch in range(max(cfg.ttt_epochs, 1)):
+                with autocast(rt.device):
+                    logits = fn(x, lora)
+                nll = cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none").view(R, T)
+                if epoch == 0:  # the score: before any step that sees these targets
+                    sums += scorer.sums(nll.detach(), x, y, mask)
+                    if nll_out is not None:
+                        nll_out[(w[:, :1] + torch.arange(T, device=rt.device))[mask]] = nll.detach()[mask].double()
+                if cfg.ttt_epochs == 0 or not train.any():
+                    break
+                per_doc = (nll * mask).sum(1) / mask.sum(1).clamp(min=1)
+                (per_doc * train).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        if rt.is_main and (k + 1) % max(1, len(batches) // 8) == 0:
+            log(f"ttt_lora_batch:{k + 1}/{len(batches)} rank0_bpb_so_far:{loss_and_bpb(sums.tolist())[1]:.4f} "
+                f"time:{now_ms(rt.device) - t0:.0f}ms")
+    model.requires_grad_(True)
+    all_reduce_sum_(sums)
+    return make_score(sums, now_ms(rt.device) - t0, compile_ms)
 
 
 # =============================================================================================
@@ -2812,7 +2916,7 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     score, key = scorer(eval_model, cfg.eval_stride), "final_int6_sliding_window"
     log_score(log, key, score, f" stride:{cfg.eval_stride}")
     if cfg.ttt_enabled:  # last: it changes the weights
-        score, key = legal_ttt(cfg, rt, eval_model, scorer, log), "legal_ttt"
+        score, key = (lora_ttt if cfg.ttt_mode == "lora" else legal_ttt)(cfg, rt, eval_model, scorer, log), "legal_ttt"
         log_score(log, key, score)
     log(f"summary score:{key} val_bpb:{score.bpb:.8f} artifact:{artifact} total_bytes:{total} train_time:"
         f"{train_ms / 1000:.1f}s wall_time:{time.perf_counter() - t_start:.1f}s"

@@ -1,0 +1,161 @@
+"""Tests of TTT_MODE=lora, per-document LoRA test-time training (issue 23 items 3-4; CPU, offline).
+
+1. A fresh adapter (B = 0) leaves the logits unchanged; a non-zero head adapter adds ALPHA/r * B A h to the
+   raw logits before the softcap (written out by hand here).
+2. With TTT_EPOCHS=0 the score equals the sliding-window score with DOC_ISOLATION, and every target is
+   scored once.
+3. Legality: changing token p changes no score of a target before p - 1 (the one that predicts it), with
+   training on: nothing is scored after an update that saw it, and attention stays causal.
+4. Documents are independent: each target's score in one batched run equals the score of its document run
+   alone, whatever the batch size; 2 ranks equal 1.
+5. TTT_MODE=lora without DOC_ISOLATION is refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_scorer, perturbed_model, spawn, tiny_cfg
+import train_gpt as tg
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+V = 512
+BOS_AT = [0, 5, 6, 47, 90, 130, 133, 181, 260]  # documents of 1 to 79 tokens; windows of 32 tokens
+
+
+def lora_cfg(**kw) -> tg.Hyperparameters:
+    return tiny_cfg(**(dict(doc_isolation=True, ttt_mode="lora", ttt_lora_rank=4, ttt_lora_alpha=8.0,
+                            ttt_lora_lr=0.01, ttt_weight_decay=0.1, ttt_chunk_size=5, ttt_batch_size=3,
+                            ttt_epochs=1, eval_stride=8) | kw))
+
+
+def make_stream(n: int, seed: int = 0) -> torch.Tensor:
+    """A noisy repeated pattern (training moves the loss), with BOS at BOS_AT and nowhere else."""
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(2, V, (23,), generator=g).repeat(n // 23 + 1)[:n].clone()
+    noise = torch.rand(n, generator=g) < 0.3
+    toks[noise] = torch.randint(2, V, (int(noise.sum()),), generator=g)
+    toks[[p for p in BOS_AT if p < n]] = tg.BOS_ID
+    return toks
+
+
+def make_luts() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(1, 5, (V,), generator=g).to(torch.int16), torch.rand(V, generator=g) < 0.4, torch.zeros(V, dtype=torch.bool)
+
+
+def model_for(cfg: tg.Hyperparameters) -> tg.GPT:
+    return perturbed_model(cfg, 3, bank_std=0.1, table_std=0.3).eval()
+
+
+def lora_run(cfg, tokens, rank: int = 0, world_size: int = 1) -> tuple[tg.Score, torch.Tensor]:
+    """(score, each target's NLL; NaN where this rank scored none)."""
+    scorer = make_scorer(cfg, tokens, make_luts(), rank=rank, world_size=world_size)
+    nll = torch.full((tokens.numel() - 1,), float("nan"), dtype=torch.float64)
+    score = tg.lora_ttt(cfg, scorer.rt, model_for(cfg), scorer, tg.Logger("x", enabled=False), nll_out=nll)
+    return score, nll
+
+
+def test_fresh_adapter_is_the_identity_and_the_head_adapter_adds_BAh():
+    cfg = lora_cfg()
+    model, x = model_for(cfg), make_stream(64).view(2, 32)
+    lora = tg.DocLoRA(cfg, 2, torch.device("cpu"))
+    with torch.no_grad():
+        assert torch.equal(model.logits(x, lora), model.logits(x))
+        j = lora.index["head", 0]
+        lora.B[j].normal_()
+        h = model.hidden(x)
+        by_hand = [h[b] @ lora.A[j][b].T @ lora.B[j][b].T * (cfg.ttt_lora_alpha / cfg.ttt_lora_rank) for b in range(2)]
+        want = tg.softcap(torch.nn.functional.linear(h, model.tok_emb.weight) + torch.stack(by_hand), cfg.logit_softcap)
+        torch.testing.assert_close(model.logits(x, lora), want, rtol=1e-5, atol=1e-5)
+        for name in ("attn.q", "attn.v", "attn.o", "mlp"):  # every other adapter reaches the logits too
+            lora.reset()
+            lora.B[lora.index[name, 1]].normal_()
+            assert not torch.allclose(model.logits(x, lora), model.logits(x)), name
+
+
+@pytest.mark.parametrize("n, chunk, stride", [(270, 5, 8), (200, 48, 32), (151, 1, 3)])
+def test_epochs_zero_equals_the_isolated_sliding_score(n, chunk, stride):
+    cfg = lora_cfg(ttt_epochs=0, ttt_chunk_size=chunk, eval_stride=stride)
+    tokens = make_stream(n)
+    plain = make_scorer(cfg, tokens, make_luts())(model_for(cfg), stride)
+    score, nll = lora_run(cfg, tokens)
+    assert (score.tokens, score.bytes) == (plain.tokens, plain.bytes) and score.tokens == n - 1
+    assert not nll.isnan().any()  # n - 1 targets scored, all covered: each exactly once
+    assert score.loss == pytest.approx(plain.loss, rel=1e-6) and score.bpb == pytest.approx(plain.bpb, rel=1e-6)
+
+
+@pytest.mark.parametrize("p", [20, 61, 100, 131, 200])
+def test_changing_token_p_changes_no_score_before_it(p):
+    """Token p is the target of position p - 1: every target before that keeps its score exactly, although
+    the adapters train on p's chunk (and later scores move)."""
+    cfg = lora_cfg()
+    a = make_stream(270)
+    b = a.clone()
+    b[p] = 2 + (a[p] - 1) % (V - 2)  # another non-BOS token
+    (sa, na), (sb, nb) = lora_run(cfg, a), lora_run(cfg, b)
+    assert torch.equal(na[: p - 1], nb[: p - 1])
+    assert not torch.equal(na[p - 1:], nb[p - 1:])
+    frozen = lora_run(lora_cfg(ttt_epochs=0), a)[1]
+    assert not torch.allclose(na, frozen)  # training happened
+
+
+@pytest.mark.parametrize("batch", [1, 2, 9])
+def test_each_document_scores_as_if_alone(batch):
+    cfg = lora_cfg(ttt_batch_size=batch, ttt_epochs=2)
+    tokens = make_stream(270)
+    _, together = lora_run(cfg, tokens)
+    bounds = BOS_AT + [269]
+    for s, e in zip(bounds, bounds[1:]):  # targets s..e-1: the stream up to token e
+        _, alone = lora_run(cfg, tokens[s: e + 1])
+        torch.testing.assert_close(together[s:e], alone, rtol=1e-5, atol=1e-6)
+
+
+def _lora_on_rank(rank: int, world_size: int, tokens: list[int]):
+    score, nll = lora_run(lora_cfg(ttt_batch_size=2), torch.tensor(tokens), rank, world_size)
+    return (score.loss, score.bpb, score.tokens, score.bytes), nll.numpy()
+
+
+def test_two_ranks_equal_one_rank():
+    """9 documents in batches of 2: 5 batches, 3 on rank 0 and 2 on rank 1."""
+    tokens = make_stream(270).tolist()
+    one, one_nll = _lora_on_rank(0, 1, tokens)
+    (s0, n0), (s1, n1) = spawn(_lora_on_rank, 2, tokens)
+    assert s0 == s1 and s0[2:] == one[2:]
+    assert s0[0] == pytest.approx(one[0], rel=1e-6) and s0[1] == pytest.approx(one[1], rel=1e-6)
+    both = np.where(np.isnan(n0), n1, n0)
+    assert not np.isnan(both).any() and (np.isnan(n0) | np.isnan(n1)).all()  # each target on one rank
+    np.testing.assert_allclose(both, one_nll, rtol=1e-5)
+
+
+def test_lora_needs_document_isolation():
+    with pytest.raises(ValueError, match="TTT_MODE=lora .* needs DOC_ISOLATION=1"):
+        lora_cfg(doc_isolation=False)
+    with pytest.raises(ValueError, match="TTT_MODE"):
+        tg.Hyperparameters.from_env({"TTT_MODE": "adam"})
+
+
+def test_script_runs_lora_ttt_and_eval_only_reproduces_it(dataset, tokenizer_path, tmp_path):
+    """End to end: a tiny run with DOC_ISOLATION and TTT_MODE=lora logs legal_ttt over the same targets and
+    bytes as the sliding-window score, with progress lines; EVAL_ONLY of its artifact gives the same line."""
+    from conftest import run_script, tiny_env
+    import re
+    ttt = dict(DOC_ISOLATION=1, TTT_ENABLED=1, TTT_MODE="lora", TTT_LORA_RANK=4, TTT_CHUNK_SIZE=16, TTT_BATCH_SIZE=8,
+               TTT_EPOCHS=1)
+    r = run_script(tiny_env(dataset, tokenizer_path, ITERATIONS=4, RUN_ID="lora", **ttt), tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    exact = [ln for ln in lines if ln.startswith("legal_ttt_exact ")]
+    sw = [ln for ln in lines if ln.startswith("final_int6_sliding_window ")]
+    counts = re.compile(r" scored_tokens:(\d+) scored_bytes:(\d+)")
+    ttt_line = next(ln for ln in lines if ln.startswith("legal_ttt "))
+    assert len(exact) == 1 and counts.search(ttt_line).groups() == counts.search(sw[0]).groups()
+    assert any(re.fullmatch(r"ttt_lora_batch:\d+/\d+ rank0_bpb_so_far:\d+\.\d{4} time:\d+ms", ln) for ln in lines)
+    assert "setting ttt_mode:lora" in (tmp_path / "logs" / "lora.txt").read_text(encoding="utf-8").splitlines()
+    r2 = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(tmp_path / "logs" / "lora.int6.ptz"),
+                             RUN_ID="lora_eval", **ttt), tmp_path)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert [ln for ln in r2.stdout.splitlines() if ln.startswith("legal_ttt_exact ")] == exact
