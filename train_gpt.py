@@ -1926,16 +1926,21 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log:
         for t in range(len(batch[0])):
             w = torch.tensor([d[t] if t < len(d) else (0, 0, 0) for d in batch] + [(0, 0, 0)] * (R - len(batch)),
                              device=rt.device)
-            x, y, mask = scorer.rows(w[:, 0], w[:, 1] - w[:, 0], w[:, 2] - w[:, 0], T)
+            # rows as long as this step's longest context needs, rounded up to a power of two (at least T/8):
+            # exact (attention is causal), a few compiled shapes, and a short document's early chunks cost
+            # T/8 tokens, not T (the bucket sizes are not measured yet)
+            need = int((w[:, 2] - w[:, 0]).max())
+            n = min(T, max(T // 8, 1 << (need - 1).bit_length()))
+            x, y, mask = scorer.rows(w[:, 0], w[:, 1] - w[:, 0], w[:, 2] - w[:, 0], n)
             train = torch.tensor([t < len(d) - 1 for d in batch] + [False] * (R - len(batch)), device=rt.device)
             for epoch in range(max(cfg.ttt_epochs, 1)):
                 with autocast(rt.device):
                     logits = fn(x, lora)
-                nll = cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none").view(R, T)
+                nll = cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none").view(R, n)
                 if epoch == 0:  # the score: before any step that sees these targets
                     sums += scorer.sums(nll.detach(), x, y, mask)
                     if nll_out is not None:
-                        nll_out[(w[:, :1] + torch.arange(T, device=rt.device))[mask]] = nll.detach()[mask].double()
+                        nll_out[(w[:, :1] + torch.arange(n, device=rt.device))[mask]] = nll.detach()[mask].double()
                 if cfg.ttt_epochs == 0 or not train.any():
                     break
                 per_doc = (nll * mask).sum(1) / mask.sum(1).clamp(min=1)
