@@ -159,3 +159,21 @@ def test_script_runs_lora_ttt_and_eval_only_reproduces_it(dataset, tokenizer_pat
                              RUN_ID="lora_eval", **ttt), tmp_path)
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert [ln for ln in r2.stdout.splitlines() if ln.startswith("legal_ttt_exact ")] == exact
+
+
+def test_scores_are_a_full_softmax_over_the_vocabulary(monkeypatch):
+    """Every NLL that lora_ttt scores is -log softmax over all VOCAB_SIZE logits of the model with the adapters
+    (no logit bias, no truncated vocabulary): checked on each cross_entropy call it makes."""
+    cfg = lora_cfg()
+    seen, ce = [], torch.nn.functional.cross_entropy
+
+    def spy(logits, targets, reduction="mean"):
+        out = ce(logits, targets, reduction=reduction)
+        assert logits.size(-1) == cfg.vocab_size
+        full = torch.logsumexp(logits.double(), -1) - logits.double().gather(-1, targets[:, None])[:, 0]
+        torch.testing.assert_close(out.double(), full, rtol=1e-5, atol=1e-5)
+        seen.append(out.numel())
+        return out
+    monkeypatch.setattr(tg, "cross_entropy", spy)
+    score, _ = lora_run(cfg, make_stream(270))
+    assert seen and score.tokens == 269
