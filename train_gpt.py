@@ -202,13 +202,15 @@ class Hyperparameters:
     ttt_momentum: float = 0.9  # SGD momentum
     ttt_batch_seqs: int = 32  # sequences (TRAIN_SEQ_LEN) per TTT step, over all ranks
     ttt_grad_clip: float = 1.0  # global grad-norm clip
-    ttt_mode: str = "sgd"  # sgd: the above | lora: per-document LoRA adapters (needs DOC_ISOLATION=1)
+    ttt_mode: str = "sgd"  # sgd (the above) or lora: per-document LoRA adapters (needs DOC_ISOLATION=1)
     ttt_lora_rank: int = 80  # lora: adapter rank (q, k, v, o and MLP of every layer, and the head)
     ttt_lora_alpha: float = 144.0  # lora: adapter output x ALPHA / RANK
     ttt_lora_lr: float = 1e-4  # lora: AdamW lr (betas 0, 0.99; eps 1e-10)
     ttt_weight_decay: float = 0.5  # lora: AdamW weight decay of the adapters
-    ttt_chunk_size: int = 48  # lora: targets per chunk of a document: score it, then TTT_EPOCHS steps on it
-    ttt_batch_size: int = 64  # lora: documents per batch on each rank (adapters reset per batch)
+    # lora: targets per chunk of a document: score it, then TTT_EPOCHS steps on it. 64 = EVAL_STRIDE: each later
+    # window is one chunk; the records' 48 splits it in two (proxy val: 105M row tokens through the model vs 54M)
+    ttt_chunk_size: int = 64  # lora: targets per chunk of a document (scored, then trained on)
+    ttt_batch_size: int = 64  # lora: rows (documents in flight) per rank; a finished document's row takes the next
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> tuple["Hyperparameters", list[str]]:
@@ -1124,11 +1126,12 @@ class Block(nn.Module):
 
 
 class DocLoRA(nn.Module):
-    """TTT_MODE=lora's adapters (the 04-10..04-27 records' LoRA TTT): row b of a batch is document b, with its own
-    rank-r pair (A: r x in, B: out x r) on q, k, v, o and the MLP of every layer and on the head; each adds
+    """TTT_MODE=lora's adapters (the 04-10..04-27 records' LoRA TTT): row b holds one document at a time, with its
+    own rank-r pair (A: r x in, B: out x r) on q, k, v, o and the MLP of every layer and on the head; each adds
     ALPHA/r * B A x, where x is the normed input of the block (attention or MLP) or the final hidden state.
-    reset() sets B = 0, so a fresh adapter leaves the model unchanged, and every row's A to one fixed draw
-    (U(+-1/sqrt(in))): a document's result depends on nothing but its own tokens."""
+    reset(rows) starts new documents in those rows: B = 0 (the model unchanged), A = one fixed draw
+    (U(+-1/sqrt(in))), optimizer state cleared; adamw_step updates each row with its own step count. So a
+    document's result depends on nothing but its own tokens, whichever row and step it lands in."""
 
     def __init__(self, cfg: Hyperparameters, rows: int, device: torch.device):
         super().__init__()
@@ -1138,15 +1141,31 @@ class DocLoRA(nn.Module):
         self.index = {key: j for j, key in enumerate(keys)}
         self.A = nn.ParameterList(torch.empty(rows, r, D, device=device) for _ in keys)
         self.B = nn.ParameterList(torch.empty(rows, outs.get(n, cfg.vocab_size), r, device=device) for n, _ in keys)
+        g = torch.Generator().manual_seed(0)
+        self.A0 = [((torch.rand(r, D, generator=g) * 2 - 1) * D ** -0.5).to(device) for _ in keys]
+        self.v = [torch.zeros_like(p) for p in self.parameters()]  # AdamW's second moments (beta1 = 0: no first)
+        self.steps = torch.zeros(rows, device=device)
         self.scale = cfg.ttt_lora_alpha / r
-        self.reset()
+        self.reset(torch.ones(rows, dtype=torch.bool, device=device))
 
     @torch.no_grad()
-    def reset(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        for a, b in zip(self.A, self.B):
-            a.copy_(((torch.rand(a.shape[1:], generator=g) * 2 - 1) * a.size(-1) ** -0.5).expand_as(a))
-            b.zero_()
+    def reset(self, rows_R: Tensor) -> None:
+        for a, b, a0 in zip(self.A, self.B, self.A0):
+            a[rows_R], b[rows_R] = a0, 0.0
+        for v in self.v:
+            v[rows_R] = 0.0
+        self.steps[rows_R] = 0.0
+
+    @torch.no_grad()
+    def adamw_step(self, rows_R: Tensor, lr: float, weight_decay: float, beta2: float = 0.99, eps: float = 1e-10) -> None:
+        """torch.optim.AdamW(betas=(0, beta2)) on the rows rows_R, each row with its own step count; the other
+        rows (finished documents, last chunks, padding) are left exactly as they are."""
+        self.steps += rows_R
+        bc2_sqrt = (1 - beta2 ** self.steps).clamp(min=1e-30).sqrt()
+        for p, v in zip(self.parameters(), self.v):
+            m, g = rows_R.view(-1, *(1,) * (p.dim() - 1)), p.grad
+            v.copy_(torch.where(m, beta2 * v + (1 - beta2) * g * g, v))
+            p.copy_(torch.where(m, p * (1 - lr * weight_decay) - lr * g / (v.sqrt() / bc2_sqrt.view_as(m) + eps), p))
 
     def delta(self, name: str, i: int, x_BTI: Tensor) -> Tensor:
         j = self.index[name, i]
@@ -1900,56 +1919,63 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log:
              nll_out: Tensor | None = None) -> Score:
     """TTT_MODE=lora, score-first per document (FRONTIER 2.2). The scorer's per-document sliding windows are
     cut into chunks of TTT_CHUNK_SIZE scored targets, each keeping its window's start, so a chunk's targets see
-    exactly the context they have in the sliding-window score. Documents, longest first, go in batches of
-    TTT_BATCH_SIZE (batch k on rank k % WORLD_SIZE), one row each, with fresh adapters and AdamW state per
-    batch. Step t scores every document's chunk t with the adapters trained on its chunks < t, then takes
-    TTT_EPOCHS AdamW steps on the sum over documents of each one's mean chunk NLL (a document's last chunk is
-    not trained on). Rows never interact and AdamW is elementwise, so a document's score is what it would get
-    alone. nll_out (tests): receives each target's NLL."""
+    exactly the context they have in the sliding-window score. Documents, longest first (every WORLD_SIZE-th on
+    this rank), fill TTT_BATCH_SIZE rows; a row takes the next document when its own is done. Each step scores
+    every row's next chunk, then takes TTT_EPOCHS AdamW steps on the sum of each row's mean chunk NLL (a
+    document's last chunk is not trained on). Rows never interact and each has its own adapters and optimizer
+    state, so a document's score is what it would get alone. nll_out (tests): receives each target's NLL."""
     T, C, R = cfg.eval_seq_len, cfg.ttt_chunk_size, cfg.ttt_batch_size
     starts = scorer.doc_starts()
     docs: list[list[tuple[int, int, int]]] = [[] for _ in starts]
     for s, lo, hi in scorer.windows(cfg.eval_stride).tolist():
         docs[bisect.bisect_right(starts, s) - 1] += [(s, a, min(a + C, hi)) for a in range(lo, hi, C)]
-    docs.sort(key=len, reverse=True)
-    batches = [docs[k: k + R] for k in range(0, len(docs), R)][rt.rank::rt.world_size]
+    queue = sorted(docs, key=len, reverse=True)[rt.rank::rt.world_size]
     lora = DocLoRA(cfg, R, rt.device)
     model.eval()
     model.requires_grad_(False)
-    fn, compile_ms = compiled(model.logits, rt), 0.0
-    sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
+    fn = compiled(model.logits, rt)
     t0 = now_ms(rt.device)
-    for k, batch in enumerate(batches):
-        lora.reset()
-        opt = torch.optim.AdamW(lora.parameters(), lr=cfg.ttt_lora_lr, betas=(0.0, 0.99), eps=1e-10,
-                                weight_decay=cfg.ttt_weight_decay)
-        for t in range(len(batch[0])):
-            w = torch.tensor([d[t] if t < len(d) else (0, 0, 0) for d in batch] + [(0, 0, 0)] * (R - len(batch)),
-                             device=rt.device)
-            # rows as long as this step's longest context needs, rounded up to a power of two (at least T/8):
-            # exact (attention is causal), a few compiled shapes, and a short document's early chunks cost
-            # T/8 tokens, not T (the bucket sizes are not measured yet)
-            need = int((w[:, 2] - w[:, 0]).max())
-            n = min(T, max(T // 8, 1 << (need - 1).bit_length()))
-            x, y, mask = scorer.rows(w[:, 0], w[:, 1] - w[:, 0], w[:, 2] - w[:, 0], n)
-            train = torch.tensor([t < len(d) - 1 for d in batch] + [False] * (R - len(batch)), device=rt.device)
-            for epoch in range(max(cfg.ttt_epochs, 1)):
-                with autocast(rt.device):
-                    logits = fn(x, lora)
-                nll = cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none").view(R, n)
-                if epoch == 0:  # the score: before any step that sees these targets
-                    sums += scorer.sums(nll.detach(), x, y, mask)
-                    if nll_out is not None:
-                        nll_out[(w[:, :1] + torch.arange(n, device=rt.device))[mask]] = nll.detach()[mask].double()
-                if cfg.ttt_epochs == 0 or not train.any():
-                    break
-                per_doc = (nll * mask).sum(1) / mask.sum(1).clamp(min=1)
-                (per_doc * train).sum().backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        if rt.is_main and (k + 1) % max(1, len(batches) // 8) == 0:
-            log(f"ttt_lora_batch:{k + 1}/{len(batches)} rank0_bpb_so_far:{loss_and_bpb(sums.tolist())[1]:.4f} "
+    if rt.compile_enabled:  # forward and backward compiled before the timer (full-length rows: one shape)
+        with autocast(rt.device):
+            fn(torch.zeros(R, T, dtype=torch.int64, device=rt.device), lora).float().sum().backward()
+        lora.zero_grad(set_to_none=True)
+    compile_ms = now_ms(rt.device) - t0
+    if rt.is_main:
+        log(f"ttt_lora documents:{len(docs)} chunks:{sum(map(len, docs))} rank0_documents:{len(queue)} "
+            f"rows:{R} compile_time:{compile_ms:.0f}ms")
+    sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
+    row_doc: list[list | None] = [None] * R  # each row's document (its chunks), and its next chunk's index
+    pos, taken, done, logged = [0] * R, 0, 0, 0
+    t0 = now_ms(rt.device)
+    while True:
+        fresh = [r for r in range(R) if row_doc[r] is None or pos[r] == len(row_doc[r])]
+        for r in fresh:
+            done += row_doc[r] is not None
+            row_doc[r], pos[r], taken = (queue[taken], 0, taken + 1) if taken < len(queue) else (None, 0, taken)
+        if rt.is_main and done * 8 // max(len(queue), 1) > logged:
+            logged = done * 8 // len(queue)
+            log(f"ttt_lora_docs:{done}/{len(queue)} rank0_bpb_so_far:{loss_and_bpb(sums.tolist())[1]:.4f} "
                 f"time:{now_ms(rt.device) - t0:.0f}ms")
+        if all(d is None for d in row_doc):
+            break
+        lora.reset(torch.tensor([r in fresh for r in range(R)], device=rt.device))
+        w = torch.tensor([d[p] if d else (0, 0, 0) for d, p in zip(row_doc, pos)], device=rt.device)
+        train = torch.tensor([d is not None and p < len(d) - 1 for d, p in zip(row_doc, pos)], device=rt.device)
+        x, y, mask = scorer.rows(w[:, 0], w[:, 1] - w[:, 0], w[:, 2] - w[:, 0], T)
+        for epoch in range(max(cfg.ttt_epochs, 1)):
+            with autocast(rt.device):
+                logits = fn(x, lora)
+            nll = cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none").view(R, T)
+            if epoch == 0:  # the score: before any step that sees these targets
+                sums += scorer.sums(nll.detach(), x, y, mask)
+                if nll_out is not None:
+                    nll_out[(w[:, :1] + torch.arange(T, device=rt.device))[mask]] = nll.detach()[mask].double()
+            if cfg.ttt_epochs == 0 or not train.any():
+                break
+            ((nll * mask).sum(1) / mask.sum(1).clamp(min=1) * train).sum().backward()
+            lora.adamw_step(train, cfg.ttt_lora_lr, cfg.ttt_weight_decay)
+            lora.zero_grad(set_to_none=True)
+        pos = [p + (d is not None) for d, p in zip(row_doc, pos)]
     model.requires_grad_(True)
     all_reduce_sum_(sums)
     return make_score(sums, now_ms(rt.device) - t0, compile_ms)

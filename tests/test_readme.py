@@ -43,7 +43,8 @@ def settings_table() -> str:
         shown = int(default) if isinstance(default, bool) else default
         if f.name == "int6_scale_floor":
             shown = "1/31"
-        rows.append(f"| `{f.name.upper()}` | `{shown}` | {comment or '-'} |")
+        cell = (comment or "-").replace("|", "\\|")  # a bare | would end the table cell
+        rows.append(f"| `{f.name.upper()}` | `{shown}` | {cell} |")
     return "\n".join(rows).strip()
 
 
