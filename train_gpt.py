@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import functools
 import difflib
 import glob
 import io
@@ -427,8 +428,12 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
     else:  # cuDNN SDPA (native GQA) ran fwd+bwd in 2.40 ms vs 3.71 for SDPA flash at the record micro-batch (H200)
         import importlib.util
         attn = ("fa3" if importlib.util.find_spec("flash_attn_interface") else "cudnn") if cuda else "math"
-    if cfg.doc_isolation and attn != "math":  # SDPA with a (B, T, T) mask; a GPU varlen backend is issue 23's next step
-        raise ValueError(f"DOC_ISOLATION=1 runs on ATTN_BACKEND=math only so far (the backend here is {attn})")
+    # DOC_ISOLATION's (B, T, T) mask, where rows cross documents (training, sgd TTT's updates), is SDPA math's
+    # only so far (a GPU varlen backend is issue 23's next step); scoring rows need none (GPT.hidden's one_doc)
+    masked = not cfg.eval_only or (cfg.ttt_enabled and cfg.ttt_mode == "sgd" and cfg.ttt_epochs > 0)
+    if cfg.doc_isolation and masked and attn != "math":
+        raise ValueError(f"DOC_ISOLATION=1 trains on ATTN_BACKEND=math only so far (the backend here is {attn}); "
+                         "EVAL_ONLY scoring and TTT_MODE=lora run on any")
     kernels = cfg.kernels if cfg.kernels != "auto" else ("triton" if cuda and triton is not None else "torch")
     auto_on = {"auto": cuda, "1": True, "0": False}
     rt = Runtime(rank, world_size, local_rank, device, attn, kernels, auto_on[cfg.compile_enabled],
@@ -1252,7 +1257,10 @@ class GPT(nn.Module):
             x = (1 - g) * x + g * F.pad(x[:, :-1], (0, 0, 1, 0))
         return x
 
-    def hidden(self, ids_BT: Tensor, lora: DocLoRA | None = None) -> Tensor:
+    def hidden(self, ids_BT: Tensor, lora: DocLoRA | None = None, one_doc: bool = False) -> Tensor:
+        """one_doc: each row holds one document up to its last target that counts (the scorer's rows under
+        DOC_ISOLATION: a window starts inside its document); causal attention then keeps documents apart
+        without the mask, so any attention backend scores isolated, and what follows in a row changes nothing."""
         cfg, L = self.cfg, self.cfg.num_layers
         x = self.embed(ids_BT)
         x0, skips = x, []
@@ -1270,7 +1278,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} > max(TRAIN_SEQ_LEN, EVAL_SEQ_LEN) = {self.rope_cos.size(0)}")
         H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         lns = [1.0 / math.sqrt(i + 1) if cfg.ln_scale else 1.0 for i in range(L)]  # by layer, not position
-        doc_mask = document_mask(ids_BT) if cfg.doc_isolation else None  # built once for all layers
+        doc_mask = document_mask(ids_BT) if cfg.doc_isolation and not one_doc else None  # once for all layers
 
         def attn(i: int, x: Tensor) -> Tensor:  # layer i's attention of its input x (pre-norm), scaled
             blk, ln = self.blocks[i], lns[i]
@@ -1341,13 +1349,13 @@ class GPT(nn.Module):
                 self.hessians[n, i] = self.hessians.get((n, i), 0) + xtx
         return x_BTC
 
-    def raw_logits(self, ids_BT: Tensor, lora: DocLoRA | None = None) -> Tensor:
-        h = self.hidden(ids_BT, lora)
+    def raw_logits(self, ids_BT: Tensor, lora: DocLoRA | None = None, one_doc: bool = False) -> Tensor:
+        h = self.hidden(ids_BT, lora, one_doc)
         z = F.linear(h, self.tok_emb.weight if self.cfg.tie_embeddings else self.lm_head.weight)
         return z if lora is None else z + lora.delta("head", 0, h)
 
-    def logits(self, ids_BT: Tensor, lora: DocLoRA | None = None) -> Tensor:
-        return softcap(self.raw_logits(ids_BT, lora), self.cfg.logit_softcap)
+    def logits(self, ids_BT: Tensor, lora: DocLoRA | None = None, one_doc: bool = False) -> Tensor:
+        return softcap(self.raw_logits(ids_BT, lora, one_doc), self.cfg.logit_softcap)
 
     def forward(self, ids_BT: Tensor, targets_BT: Tensor) -> Tensor:  # the mean training loss
         return self.ops.loss(self.raw_logits(ids_BT).flatten(0, 1), targets_BT.flatten(), self.cfg.logit_softcap)
@@ -1788,8 +1796,9 @@ class Scorer:
         return sorted({0} | set((self.tokens[:n] == BOS_ID).nonzero().flatten().tolist())) if self.cfg.doc_isolation else [0]
 
     def prepare(self, model: GPT):
-        """model.logits, compiled when enabled; returns (fn, compile ms) from one fixed-shape call."""
-        fn = compiled(model.logits, self.rt)
+        """model.logits of rows of windows (one document each under DOC_ISOLATION), compiled when enabled;
+        returns (fn, compile ms) from one fixed-shape call."""
+        fn = compiled(functools.partial(model.logits, one_doc=True), self.rt)
         t0 = now_ms(self.rt.device)
         with torch.inference_mode(), autocast(self.rt.device):
             fn(torch.zeros(self.batch_seqs, self.cfg.eval_seq_len, dtype=torch.int64, device=self.rt.device))
@@ -1916,14 +1925,15 @@ def ttt_sync_grads(model: GPT, params: list[Tensor], frozen: list[int], num_laye
 
 
 def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log: Logger,
-             nll_out: Tensor | None = None) -> Score:
+             probe: dict[str, Tensor] | None = None) -> Score:
     """TTT_MODE=lora, score-first per document (FRONTIER 2.2). The scorer's per-document sliding windows are
     cut into chunks of TTT_CHUNK_SIZE scored targets, each keeping its window's start, so a chunk's targets see
     exactly the context they have in the sliding-window score. Documents, longest first (every WORLD_SIZE-th on
     this rank), fill TTT_BATCH_SIZE rows; a row takes the next document when its own is done. Each step scores
     every row's next chunk, then takes TTT_EPOCHS AdamW steps on the sum of each row's mean chunk NLL (a
     document's last chunk is not trained on). Rows never interact and each has its own adapters and optimizer
-    state, so a document's score is what it would get alone. nll_out (tests): receives each target's NLL."""
+    state, so a document's score is what it would get alone. probe (tests): its "nll" and "lse" receive each target's
+    NLL and logsumexp (the normaliser: what the model knew before the target, updates included)."""
     T, C, R = cfg.eval_seq_len, cfg.ttt_chunk_size, cfg.ttt_batch_size
     starts = scorer.doc_starts()
     docs: list[list[tuple[int, int, int]]] = [[] for _ in starts]
@@ -1932,8 +1942,9 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log:
     queue = sorted(docs, key=len, reverse=True)[rt.rank::rt.world_size]
     lora = DocLoRA(cfg, R, rt.device)
     model.eval()
-    model.requires_grad_(False)
-    fn = compiled(model.logits, rt)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    model.requires_grad_(False)  # gradients reach the adapters only
+    fn = compiled(functools.partial(model.logits, one_doc=True), rt)  # a row holds one document's window
     t0 = now_ms(rt.device)
     if rt.compile_enabled:  # forward and backward compiled before the timer (full-length rows: one shape)
         with autocast(rt.device):
@@ -1968,15 +1979,18 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log:
             nll = cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none").view(R, T)
             if epoch == 0:  # the score: before any step that sees these targets
                 sums += scorer.sums(nll.detach(), x, y, mask)
-                if nll_out is not None:
-                    nll_out[(w[:, :1] + torch.arange(T, device=rt.device))[mask]] = nll.detach()[mask].double()
+                if probe is not None:
+                    at = (w[:, :1] + torch.arange(T, device=rt.device))[mask]
+                    probe["nll"][at] = nll.detach()[mask].double()
+                    probe["lse"][at] = logits.detach().float().logsumexp(-1)[mask].double()
             if cfg.ttt_epochs == 0 or not train.any():
                 break
             ((nll * mask).sum(1) / mask.sum(1).clamp(min=1) * train).sum().backward()
             lora.adamw_step(train, cfg.ttt_lora_lr, cfg.ttt_weight_decay)
             lora.zero_grad(set_to_none=True)
         pos = [p + (d is not None) for d, p in zip(row_doc, pos)]
-    model.requires_grad_(True)
+    for p in trainable:
+        p.requires_grad_(True)
     all_reduce_sum_(sums)
     return make_score(sums, now_ms(rt.device) - t0, compile_ms)
 
@@ -2835,7 +2849,11 @@ def main() -> int:
         warnings += more
     stored = read_artifact(cfg.eval_only) if cfg.eval_only else None
     if stored is not None:
-        cfg, _ = adopt_settings(cfg, stored[0], MODEL_SETTINGS, explicit, f"artifact {cfg.eval_only}")
+        settings = dict(stored[0])
+        if cfg.doc_isolation and not settings["doc_isolation"]:  # scoring rows hold one document (GPT.hidden's
+            settings["doc_isolation"] = True  # one_doc): isolation there chooses windows, not the weights' function
+            warnings.append(f"artifact {cfg.eval_only} was trained without DOC_ISOLATION: scored per document")
+        cfg, _ = adopt_settings(cfg, settings, MODEL_SETTINGS, explicit, f"artifact {cfg.eval_only}")
     if cfg.auto_size > 0 and ckpt is None and stored is None:  # a resumed or scored model keeps its shapes
         cfg = fit_to_limit(cfg, explicit, len(shipped_code(code)))
     claimed = claim_outputs(cfg)

@@ -348,6 +348,23 @@ def test_doc_isolation_trains_exports_and_scores_again_from_its_artifact(dataset
     assert one_line(evaluated, key) == one_line(trained, key)
 
 
+def test_eval_only_scores_an_artifact_trained_without_isolation_per_document(seed_runs, dataset, tokenizer_path):
+    """DOC_ISOLATION=1 over an artifact made without it (issue 23: TTT_MODE=lora on the defaults' artifact): a
+    choice of windows, allowed with a warning; every target and byte scored once, as without isolation, but
+    with each document's own context. The other direction stays an error (the weights were trained masked)."""
+    cwd, trained = seed_runs["same_a_cwd"], seed_runs["same_a"]
+    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY="logs/same_a.int6.ptz", DOC_ISOLATION=1,
+                            RUN_ID="same_a_iso"), cwd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    evaluated = (cwd / "logs" / "same_a_iso.txt").read_text()
+    assert "trained without DOC_ISOLATION: scored per document" in evaluated
+    assert "setting doc_isolation:True" in evaluated
+    counts = [re.search(r"scored_tokens:\d+ scored_bytes:\d+", one_line(log, "final_int6_sliding_window ")).group()
+              for log in (evaluated, trained)]
+    key = "final_int6_sliding_window_exact "
+    assert counts[0] == counts[1] and one_line(evaluated, key) != one_line(trained, key)
+
+
 def test_doc_isolation_refuses_a_tokenizer_whose_bos_is_not_1(dataset, tokenizer_path, tmp_path):
     """Documents are found by BOS id 1: with another tokenizer, isolation would split at the wrong token. The
     check holds with the SmearGate (and its BOS fix) off."""

@@ -244,8 +244,36 @@ def test_doc_isolation_refuses_the_smear_without_its_bos_fix_and_gpu_backends(mo
     tiny = dict(NUM_LAYERS=2, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=1, VOCAB_SIZE=64, VE_LAYERS="1", DOC_ISOLATION=1)
     assert tg.init_runtime(make_cfg(**tiny, DEVICE="cpu"), {}).attn_backend == "math"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the check comes before any CUDA call
-    with pytest.raises(ValueError, match="DOC_ISOLATION=1 runs on ATTN_BACKEND=math only so far .* cudnn"):
+    with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math only so far .* cudnn"):
         tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch"), {})
+    with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math only"):  # sgd TTT updates
+        tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", EVAL_ONLY="a.ptz", TTT_ENABLED=1), {})
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)  # and keep this process's SDPA backends
+    for kind in ("flash", "cudnn", "mem_efficient", "math"):
+        monkeypatch.setattr(torch.backends.cuda, f"enable_{kind}_sdp", lambda on: None)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
+    for ttt in (dict(TTT_ENABLED=0), dict(TTT_ENABLED=1, TTT_MODE="lora"), dict(TTT_ENABLED=1, TTT_EPOCHS=0)):
+        rt = tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", EVAL_ONLY="a.ptz", **ttt), {})
+        assert rt.attn_backend == "cudnn"  # scoring rows hold one document: no mask
+
+
+@pytest.mark.parametrize("name", ["full", "gates"])
+def test_one_doc_rows_score_as_the_document_mask_does(name):
+    """GPT.hidden's one_doc (the scorer's rows under DOC_ISOLATION): a row that is one document up to its last
+    counted target needs no mask; the logits equal the masked ones there, and only after the next BOS differ."""
+    model = perturbed_feature_model(name, DOC_ISOLATION=1)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, model.cfg.vocab_size, (3, 24), generator=g)
+    cut = [24, 15, 9]  # row b is one document up to cut[b]; a BOS starts the next
+    for b, c in enumerate(cut):
+        ids[b, c:c + 1] = tg.BOS_ID
+    ids[1, 0] = tg.BOS_ID  # a row may start at its document's BOS
+    with torch.no_grad():
+        masked, one_doc = model.logits(ids), model.logits(ids, one_doc=True)
+    for b, c in enumerate(cut):
+        torch.testing.assert_close(one_doc[b, :c], masked[b, :c], rtol=1e-5, atol=1e-6)
+    assert (one_doc[1:, 16:] - masked[1:, 16:]).abs().max() > 1e-3  # past a BOS they part: the mask is off
 
 
 def test_loop_config_before_its_repeats_start_equals_plain_model():

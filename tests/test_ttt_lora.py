@@ -51,12 +51,12 @@ def model_for(cfg: tg.Hyperparameters) -> tg.GPT:
     return perturbed_model(cfg, 3, bank_std=0.1, table_std=0.3).eval()
 
 
-def lora_run(cfg, tokens, rank: int = 0, world_size: int = 1) -> tuple[tg.Score, torch.Tensor]:
-    """(score, each target's NLL; NaN where this rank scored none)."""
+def lora_run(cfg, tokens, rank: int = 0, world_size: int = 1, lse: bool = False):
+    """(score, each target's NLL; NaN where this rank scored none), and each target's logsumexp if lse."""
     scorer = make_scorer(cfg, tokens, make_luts(), rank=rank, world_size=world_size)
-    nll = torch.full((tokens.numel() - 1,), float("nan"), dtype=torch.float64)
-    score = tg.lora_ttt(cfg, scorer.rt, model_for(cfg), scorer, tg.Logger("x", enabled=False), nll_out=nll)
-    return score, nll
+    probe = {k: torch.full((tokens.numel() - 1,), float("nan"), dtype=torch.float64) for k in ("nll", "lse")}
+    score = tg.lora_ttt(cfg, scorer.rt, model_for(cfg), scorer, tg.Logger("x", enabled=False), probe=probe)
+    return (score, probe["nll"], probe["lse"]) if lse else (score, probe["nll"])
 
 
 def test_fresh_adapter_is_the_identity_and_the_head_adapter_adds_BAh():
@@ -134,6 +134,29 @@ def test_changing_token_p_changes_no_score_before_it(p):
     assert not torch.allclose(na, frozen)  # training happened
 
 
+def chunk_starts(cfg, tokens) -> list[int]:
+    """The first target of each of lora TTT's chunks that is not its document's first (an update came before)."""
+    scorer = make_scorer(cfg, tokens, make_luts())
+    starts = set(scorer.doc_starts())
+    return sorted(a for _, lo, hi in scorer.windows(cfg.eval_stride).tolist()
+                  for a in range(lo, hi, cfg.ttt_chunk_size) if a not in starts)
+
+
+def test_the_target_after_a_chunk_is_not_trained_on_before_it_is_scored():
+    """Condition C3 at the chunk edge: the normaliser (logsumexp) of every target up to p - 1 does not depend on
+    token p, p - 1 included, where p - 1 opens a chunk after an update. (The NLL of p - 1 depends on p anyway,
+    so the NLL test above cannot see an update that reaches one target past its chunk; the normaliser can.)"""
+    cfg, a = lora_cfg(), make_stream(270)
+    (_, _, lse_a), picked = lora_run(cfg, a, lse=True), [t + 1 for t in chunk_starts(cfg, a)][1::7]
+    assert len(picked) >= 4, picked
+    for p in picked:
+        b = a.clone()
+        b[p] = 2 + (a[p] - 1) % (V - 2)
+        lse_b = lora_run(cfg, b, lse=True)[2]
+        assert torch.equal(lse_a[:p], lse_b[:p]), p
+        assert not torch.equal(lse_a[p:], lse_b[p:]), p  # later normalisers move: the update saw p
+
+
 @pytest.mark.parametrize("batch", [1, 2, 9])
 def test_each_document_scores_as_if_alone(batch):
     cfg = lora_cfg(ttt_batch_size=batch, ttt_epochs=2)
@@ -208,3 +231,13 @@ def test_scores_are_a_full_softmax_over_the_vocabulary(monkeypatch):
     monkeypatch.setattr(tg, "cross_entropy", spy)
     score, _ = lora_run(cfg, make_stream(270))
     assert seen and score.tokens == 269
+
+
+def test_lora_ttt_leaves_the_models_requires_grad_flags_as_it_found_them():
+    cfg = lora_cfg()
+    model, tokens = model_for(cfg), make_stream(100)
+    model.tok_emb.weight.requires_grad_(False)
+    before = {n: p.requires_grad for n, p in model.named_parameters()}
+    scorer = make_scorer(cfg, tokens, make_luts())
+    tg.lora_ttt(cfg, scorer.rt, model, scorer, tg.Logger("x", enabled=False))
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == before and not before["tok_emb.weight"]
