@@ -206,7 +206,7 @@ class Hyperparameters:
     ttt_mode: str = "sgd"  # sgd (the above) or lora: per-document LoRA adapters (needs DOC_ISOLATION=1)
     ttt_lora_rank: int = 80  # lora: adapter rank (q, k, v, o and MLP of every layer, and the head)
     ttt_lora_alpha: float = 144.0  # lora: adapter output x ALPHA / RANK
-    ttt_lora_lr: float = 1e-4  # lora: AdamW lr (betas 0, 0.99; eps 1e-10)
+    ttt_lora_lr: float = 3e-4  # lora: AdamW lr (betas 0, 0.99; eps 1e-10); 3e-4 gained 0.0085 on pqb, 1e-4 0.0053
     ttt_weight_decay: float = 0.5  # lora: AdamW weight decay of the adapters
     # lora: targets per chunk of a document: score it, then TTT_EPOCHS steps on it. 64 = EVAL_STRIDE: each later
     # window is one chunk; the records' 48 splits it in two (proxy val: 105M row tokens through the model vs 54M)
@@ -451,17 +451,15 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
 
 
 def configure_inductor() -> None:
-    """Inductor's mix-order reductions (the per-channel scale gradients summed inside the rms_norm backward
-    that reads the same rows) only with multi-stage pipelining, unless TORCHINDUCTOR_MIX_ORDER_REDUCTION is
-    set; with TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES=0 they are off. Torch 2.11, H200, record
-    step: single-stage they cost 20 ms; multi-stage they saved 1.8 ms against off, +288 MiB."""
+    """Inductor's mix-order reductions (the per-channel scale gradients summed inside the rms_norm backward that
+    reads the same rows) are off unless TORCHINDUCTOR_MIX_ORDER_REDUCTION is set. Torch 2.11, H200, record step:
+    single-stage they cost 20 ms; multi-stage was 1.8 ms faster than off in session 13 and 2.1 ms slower in
+    session 16 (596.2 vs 594.1 ms, one call), and its fusion pass asserts on the ungated U-Net skip
+    (SKIP_GATES_ENABLED=0: scheduler.sub_node_can_fuse, `assert not isinstance(node1, FusedMixOrderReductions)`)."""
     import torch._inductor.config
     c = torch._inductor.config.triton
     if "TORCHINDUCTOR_MIX_ORDER_REDUCTION" not in os.environ and hasattr(c, "mix_order_reduction"):
-        multi = hasattr(c, "mix_order_reduction_allow_multi_stages")
-        if multi and "TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES" not in os.environ:
-            c.mix_order_reduction_allow_multi_stages = True
-        c.mix_order_reduction = multi and c.mix_order_reduction_allow_multi_stages
+        c.mix_order_reduction = False
 
 
 def compiled(fn, rt: Runtime):

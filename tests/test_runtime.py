@@ -43,32 +43,19 @@ def test_grad_accum_divisibility():
         tg.grad_accum_steps(make_cfg(GRAD_ACCUM_STEPS=5), 1)
 
 
-def test_configure_inductor_sets_mix_order_reductions_multi_stage_unless_the_env_sets_them(monkeypatch):
+def test_configure_inductor_turns_mix_order_reductions_off_unless_the_env_sets_them(monkeypatch):
     import torch._inductor.config as ic
     if not hasattr(ic.triton, "mix_order_reduction"):
         pytest.skip("this torch has no mix-order reductions")
-    multi = hasattr(ic.triton, "mix_order_reduction_allow_multi_stages")
-    monkeypatch.delenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES", raising=False)
     for preset in (True, False):  # the user's explicit choice stands, whichever it is
         monkeypatch.setattr(ic.triton, "mix_order_reduction", preset)
         monkeypatch.setenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION", str(int(preset)))
         tg.configure_inductor()
         assert ic.triton.mix_order_reduction is preset
     monkeypatch.delenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION")
-    if multi:
-        monkeypatch.setattr(ic.triton, "mix_order_reduction_allow_multi_stages", False)
+    monkeypatch.setattr(ic.triton, "mix_order_reduction", True)
     tg.configure_inductor()
-    assert ic.triton.mix_order_reduction is multi  # single-stage only (older torch): off
-    if multi:
-        assert ic.triton.mix_order_reduction_allow_multi_stages is True
-        monkeypatch.setattr(ic.triton, "mix_order_reduction_allow_multi_stages", False)
-        monkeypatch.setenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES", "0")  # the user's: single-stage
-        tg.configure_inductor()
-        assert ic.triton.mix_order_reduction is False and ic.triton.mix_order_reduction_allow_multi_stages is False
-        monkeypatch.delenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION_ALLOW_MULTI_STAGES")
-        monkeypatch.delattr(ic.triton, "mix_order_reduction_allow_multi_stages")
-        tg.configure_inductor()
-        assert ic.triton.mix_order_reduction is False
+    assert ic.triton.mix_order_reduction is False
 
 
 # =============================================================================================
