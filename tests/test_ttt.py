@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def ttt_cfg(**kw) -> tg.Hyperparameters:
-    return tiny_cfg(**(dict(ttt_chunk_tokens=64, ttt_batch_seqs=2, ttt_lr=0.02, ttt_epochs=2) | kw))
+    return tiny_cfg(**(dict(ttt_mode="sgd", ttt_chunk_tokens=64, ttt_batch_seqs=2, ttt_lr=0.02, ttt_epochs=2) | kw))
 
 
 def random_model(cfg: tg.Hyperparameters, seed: int) -> tg.GPT:
@@ -381,7 +381,7 @@ def test_freeze_reaches_the_lane_scalars_of_frozen_parallel_layers():
 # 6. End to end through the script
 # =============================================================================================
 
-TTT_ENV = dict(TTT_ENABLED="1", TTT_CHUNK_TOKENS="1024", TTT_BATCH_SEQS="2", TTT_EPOCHS="1")
+TTT_ENV = dict(TTT_ENABLED="1", TTT_MODE="sgd", TTT_CHUNK_TOKENS="1024", TTT_BATCH_SEQS="2", TTT_EPOCHS="1")
 
 
 def pick(lines: list[str], key: str) -> str:

@@ -2,13 +2,13 @@
 
 1. A fresh adapter (B = 0) leaves the logits unchanged; a non-zero head adapter adds ALPHA/r * B A h to the
    raw logits before the softcap (written out by hand here).
-2. With TTT_EPOCHS=0 the score equals the sliding-window score with DOC_ISOLATION, and every target is
-   scored once.
+2. With TTT_GRAD_STEPS=0 the score equals the sliding-window score with DOC_ISOLATION (per document, whether
+   the model was trained isolated or not), and every target is scored once.
 3. Legality: changing token p changes no score of a target before p - 1 (the one that predicts it), with
    training on: nothing is scored after an update that saw it, and attention stays causal.
 4. Documents are independent: each target's score in one batched run equals the score of its document run
    alone, whatever the batch size; 2 ranks equal 1.
-5. TTT_MODE=lora without DOC_ISOLATION is refused.
+5. End to end, with and without DOC_ISOLATION (then the per-document sliding score is logged beside it).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ BOS_AT = [0, 5, 6, 47, 90, 130, 133, 181, 260]  # documents of 1 to 79 tokens; w
 def lora_cfg(**kw) -> tg.Hyperparameters:
     return tiny_cfg(**(dict(doc_isolation=True, ttt_mode="lora", ttt_lora_rank=4, ttt_lora_alpha=8.0,
                             ttt_lora_lr=0.01, ttt_weight_decay=0.1, ttt_chunk_size=5, ttt_batch_size=3,
-                            ttt_epochs=1, eval_stride=8) | kw))
+                            ttt_grad_steps=1, eval_stride=8) | kw))
 
 
 def make_stream(n: int, seed: int = 0) -> torch.Tensor:
@@ -110,7 +110,7 @@ def test_adamw_step_is_torch_adamw_per_row_with_its_own_step_count():
 
 @pytest.mark.parametrize("n, chunk, stride", [(270, 5, 8), (200, 48, 32), (151, 1, 3)])
 def test_epochs_zero_equals_the_isolated_sliding_score(n, chunk, stride):
-    cfg = lora_cfg(ttt_epochs=0, ttt_chunk_size=chunk, eval_stride=stride)
+    cfg = lora_cfg(ttt_grad_steps=0, ttt_chunk_size=chunk, eval_stride=stride)
     tokens = make_stream(n)
     plain = make_scorer(cfg, tokens, make_luts())(model_for(cfg), stride)
     score, nll = lora_run(cfg, tokens)
@@ -130,7 +130,7 @@ def test_changing_token_p_changes_no_score_before_it(p):
     (sa, na), (sb, nb) = lora_run(cfg, a), lora_run(cfg, b)
     assert torch.equal(na[: p - 1], nb[: p - 1])
     assert not torch.equal(na[p - 1:], nb[p - 1:])
-    frozen = lora_run(lora_cfg(ttt_epochs=0), a)[1]
+    frozen = lora_run(lora_cfg(ttt_grad_steps=0), a)[1]
     assert not torch.allclose(na, frozen)  # training happened
 
 
@@ -159,7 +159,7 @@ def test_the_target_after_a_chunk_is_not_trained_on_before_it_is_scored():
 
 @pytest.mark.parametrize("batch", [1, 2, 9])
 def test_each_document_scores_as_if_alone(batch):
-    cfg = lora_cfg(ttt_batch_size=batch, ttt_epochs=2)
+    cfg = lora_cfg(ttt_batch_size=batch, ttt_grad_steps=2)
     tokens = make_stream(270)
     _, together = lora_run(cfg, tokens)
     bounds = BOS_AT + [269]
@@ -185,20 +185,30 @@ def test_two_ranks_equal_one_rank():
     np.testing.assert_allclose(both, one_nll, rtol=1e-5)
 
 
-def test_lora_needs_document_isolation():
-    with pytest.raises(ValueError, match="TTT_MODE=lora .* needs DOC_ISOLATION=1"):
-        lora_cfg(doc_isolation=False)
+def test_without_isolation_lora_scores_per_document():
+    """A model trained without DOC_ISOLATION: lora's windows are still each document's own, so with no updates
+    it gives the per-document sliding score of the same weights, not the across-documents one."""
+    cfg = lora_cfg(doc_isolation=False, ttt_grad_steps=0)
+    tokens = make_stream(270)
+    per_doc = make_scorer(cfg, tokens, make_luts())(model_for(cfg), cfg.eval_stride, per_doc=True)
+    across = make_scorer(cfg, tokens, make_luts())(model_for(cfg), cfg.eval_stride)
+    isolated_cfg = dataclasses.replace(cfg, doc_isolation=True)
+    isolated = make_scorer(isolated_cfg, tokens, make_luts())(model_for(isolated_cfg), cfg.eval_stride)
+    score = lora_run(cfg, tokens)[0]
+    assert score.loss == pytest.approx(per_doc.loss, rel=1e-6) and per_doc.loss == pytest.approx(isolated.loss, rel=1e-9)
+    assert abs(score.loss - across.loss) > 1e-4
     with pytest.raises(ValueError, match="TTT_MODE"):
         tg.Hyperparameters.from_env({"TTT_MODE": "adam"})
 
 
-def test_script_runs_lora_ttt_and_eval_only_reproduces_it(dataset, tokenizer_path, tmp_path):
-    """End to end: a tiny run with DOC_ISOLATION and TTT_MODE=lora logs legal_ttt over the same targets and
-    bytes as the sliding-window score, with progress lines; EVAL_ONLY of its artifact gives the same line."""
+@pytest.mark.parametrize("iso", [0, 1])
+def test_script_runs_lora_ttt_and_eval_only_reproduces_it(dataset, tokenizer_path, tmp_path, iso):
+    """End to end: a tiny run with TTT_MODE=lora (the default mode) logs legal_ttt over the same targets and
+    bytes as the sliding-window score, with progress lines; EVAL_ONLY of its artifact gives the same line.
+    Without DOC_ISOLATION the per-document sliding score, lora's baseline, is logged too."""
     from conftest import run_script, tiny_env
     import re
-    ttt = dict(DOC_ISOLATION=1, TTT_ENABLED=1, TTT_MODE="lora", TTT_LORA_RANK=4, TTT_CHUNK_SIZE=16, TTT_BATCH_SIZE=8,
-               TTT_EPOCHS=1)
+    ttt = dict(DOC_ISOLATION=iso, TTT_ENABLED=1, TTT_LORA_RANK=4, TTT_CHUNK_SIZE=16, TTT_BATCH_SIZE=8)
     r = run_script(tiny_env(dataset, tokenizer_path, ITERATIONS=4, RUN_ID="lora", **ttt), tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
@@ -207,6 +217,8 @@ def test_script_runs_lora_ttt_and_eval_only_reproduces_it(dataset, tokenizer_pat
     counts = re.compile(r" scored_tokens:(\d+) scored_bytes:(\d+)")
     ttt_line = next(ln for ln in lines if ln.startswith("legal_ttt "))
     assert len(exact) == 1 and counts.search(ttt_line).groups() == counts.search(sw[0]).groups()
+    per_doc = [ln for ln in lines if ln.startswith("final_int6_sliding_window_per_doc ")]
+    assert len(per_doc) == 1 - iso and all(counts.search(ln).groups() == counts.search(sw[0]).groups() for ln in per_doc)
     assert any(re.fullmatch(r"ttt_lora_docs:\d+/\d+ rank0_bpb_so_far:\d+\.\d{4} time:\d+ms", ln) for ln in lines)
     assert "setting ttt_mode:lora" in (tmp_path / "logs" / "lora.txt").read_text(encoding="utf-8").splitlines()
     r2 = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(tmp_path / "logs" / "lora.int6.ptz"),
