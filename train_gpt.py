@@ -2968,8 +2968,13 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
         log_score(log, "final_int6_sliding_window_per_doc", scorer(eval_model, cfg.eval_stride, per_doc=True),
                   f" stride:{cfg.eval_stride}")
     if cfg.ttt_enabled:  # last: it changes the weights
+        if rt.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         score, key = (lora_ttt if cfg.ttt_mode == "lora" else legal_ttt)(cfg, rt, eval_model, scorer, log), "legal_ttt"
         log_score(log, key, score)
+        if rt.device.type == "cuda":  # training's cached blocks included: what the whole run needs
+            log(f"ttt_peak_memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
     log(f"summary score:{key} val_bpb:{score.bpb:.8f} artifact:{artifact} total_bytes:{total} train_time:"
         f"{train_ms / 1000:.1f}s wall_time:{time.perf_counter() - t_start:.1f}s"
         + (" sample_data:not_comparable_to_FineWeb" if sample else ""))
