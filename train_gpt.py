@@ -13,6 +13,7 @@ Model, Kernels (and build_model), Scoring, Legal TTT, Export, Training, main.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import functools
 import difflib
@@ -63,6 +64,13 @@ CHOICES = {"compressor": ("auto", "zstd", "lzma", "fast", "rans"), "compile_enab
            "device": ("auto", "cuda", "cpu"), "train_sampling": ("sequential", "coprime"),
            "kernels": ("auto", "triton", "torch"), "cuda_graphs": ("auto", "0", "1"),
            "parallel_final_lane": ("mean", "attn", "mlp"), "ttt_mode": ("sgd", "lora")}
+
+
+# The settings only one TTT_MODE reads (setting one for the other mode is reported, not silently ignored).
+TTT_MODE_SETTINGS = {"sgd": ("ttt_lr", "ttt_epochs", "ttt_chunk_tokens", "ttt_freeze_blocks", "ttt_momentum",
+                             "ttt_batch_seqs", "ttt_grad_clip"),
+                     "lora": ("ttt_lora_rank", "ttt_lora_alpha", "ttt_lora_lr", "ttt_weight_decay", "ttt_grad_steps",
+                              "ttt_chunk_size", "ttt_batch_size")}
 
 
 # Value ranges, checked before anything runs (a zero head count or a negative learning rate is a typo, not a run).
@@ -196,9 +204,8 @@ class Hyperparameters:
     auto_size: float = 0.0  # MLP width (or bigram table, MLP_MULT set) filling this fraction of the limit; 0 = off
     # --- legal test-time training (score first, then train; after the final scoring)
     ttt_enabled: bool = False  # run legal TTT on the read-back artifact and log legal_ttt
-    # sgd: full-parameter SGD on the stream's chunks; lora: per-document LoRA adapters (its TTT gain on the pqb
-    # artifacts of seeds 1337 / 42: 0.0089 / 0.0081; sgd's on the same artifact: see records/PERFORMANCE.md)
-    ttt_mode: str = "lora"
+    # lora gained 0.0089 / 0.0081 on the defaults' pqb artifacts (seeds 1337 / 42), sgd 0.0011 on the first
+    ttt_mode: str = "lora"  # lora: per-document LoRA adapters; sgd: full-parameter SGD over the stream's chunks
     ttt_lr: float = 0.006  # sgd: lr, cosine-decayed over chunks (0.006 beat the reference's 0.002 on the PQB)
     ttt_epochs: int = 3  # sgd: passes over each chunk after it is scored (0 = score only)
     ttt_chunk_tokens: int = 32768  # sgd: targets per chunk
@@ -237,6 +244,9 @@ class Hyperparameters:
         values["run_id"] = values.get("run_id") or str(uuid.uuid4())
         cfg = cls(**values)
         cfg.validate()
+        for mode, names in TTT_MODE_SETTINGS.items():
+            warnings += [f"setting {n.upper()} is TTT_MODE={mode}'s; TTT_MODE={cfg.ttt_mode} ignores it"
+                         for n in names if n in values and cfg.ttt_mode != mode]
         return cfg, warnings
 
     def validate(self) -> None:
@@ -1834,6 +1844,8 @@ class Scorer:
         return torch.stack(((nll_BT.double() * m).sum(), m.sum(), (nbytes * m).sum()))
 
     def __call__(self, model: GPT, stride: int, per_doc: bool | None = None) -> Score:
+        if self.cfg.doc_isolation and per_doc is False:
+            raise ValueError("with DOC_ISOLATION the windows are each document's own (the rows carry no mask)")
         was_training = model.training
         model.eval()
         fn, compile_ms = self.prepare(model)
@@ -1870,12 +1882,13 @@ def legal_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log
     opt = torch.optim.SGD(params, lr=cfg.ttt_lr, momentum=cfg.ttt_momentum)
     model.eval()
     fn_score, compile_ms = scorer.prepare(model)
-    fn_train = compiled(model.logits, rt)
+    fn_train = compiled(model.logits, rt)  # rows cross documents: DOC_ISOLATION's mask
     rows = -(-cfg.ttt_batch_seqs // rt.world_size)  # fixed per-rank batch shape (padded): one compile
     t0 = now_ms(rt.device)
-    with autocast(rt.device):  # compile the training graph (forward + backward) outside the timed loop
-        fn_train(torch.zeros(rows, T, dtype=torch.int64, device=rt.device)).float().sum().backward()
-    opt.zero_grad(set_to_none=True)
+    if cfg.ttt_epochs > 0:  # compile the training graph (forward + backward) outside the timed loop
+        with autocast(rt.device):
+            fn_train(torch.zeros(rows, T, dtype=torch.int64, device=rt.device)).float().sum().backward()
+        opt.zero_grad(set_to_none=True)
     compile_ms += now_ms(rt.device) - t0
     sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
     t0 = now_ms(rt.device)
@@ -1924,6 +1937,18 @@ def ttt_sync_grads(model: GPT, params: list[Tensor], frozen: list[int], num_laye
         model.parallel_post.grad[:n].zero_()
 
 
+@contextlib.contextmanager
+def frozen_weights(model: nn.Module):
+    """The model's weights without gradients for the block; their requires_grad flags restored as found."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    model.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+
+
 def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log: Logger,
              probe: dict[str, Tensor] | None = None) -> Score:
     """TTT_MODE=lora, score-first per document (FRONTIER 2.2). The scorer's per-document sliding windows (those
@@ -1942,55 +1967,52 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log:
     queue = sorted(docs, key=len, reverse=True)[rt.rank::rt.world_size]
     lora = DocLoRA(cfg, R, rt.device)
     model.eval()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    model.requires_grad_(False)  # gradients reach the adapters only
-    fn = compiled(functools.partial(model.logits, one_doc=True), rt)  # a row holds one document's window
-    t0 = now_ms(rt.device)
-    if rt.compile_enabled:  # forward and backward compiled before the timer (full-length rows: one shape)
-        with autocast(rt.device):
-            fn(torch.zeros(R, T, dtype=torch.int64, device=rt.device), lora).float().sum().backward()
-        lora.zero_grad(set_to_none=True)
-    compile_ms = now_ms(rt.device) - t0
-    if rt.is_main:
-        log(f"ttt_lora documents:{len(docs)} chunks:{sum(map(len, docs))} rank0_documents:{len(queue)} "
-            f"rows:{R} compile_time:{compile_ms:.0f}ms")
-    sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
-    row_doc: list[list | None] = [None] * R  # each row's document (its chunks), and its next chunk's index
-    pos, taken, done, logged = [0] * R, 0, 0, 0
-    t0 = now_ms(rt.device)
-    while True:
-        fresh = [r for r in range(R) if row_doc[r] is None or pos[r] == len(row_doc[r])]
-        for r in fresh:
-            done += row_doc[r] is not None
-            row_doc[r], pos[r], taken = (queue[taken], 0, taken + 1) if taken < len(queue) else (None, 0, taken)
-        if rt.is_main and done * 8 // max(len(queue), 1) > logged:
-            logged = done * 8 // len(queue)
-            log(f"ttt_lora_docs:{done}/{len(queue)} rank0_bpb_so_far:{loss_and_bpb(sums.tolist())[1]:.4f} "
-                f"time:{now_ms(rt.device) - t0:.0f}ms")
-        if all(d is None for d in row_doc):
-            break
-        lora.reset(torch.tensor([r in fresh for r in range(R)], device=rt.device))
-        w = torch.tensor([d[p] if d else (0, 0, 0) for d, p in zip(row_doc, pos)], device=rt.device)
-        train = torch.tensor([d is not None and p < len(d) - 1 for d, p in zip(row_doc, pos)], device=rt.device)
-        x, y, mask = scorer.rows(w[:, 0], w[:, 1] - w[:, 0], w[:, 2] - w[:, 0], T)
-        for epoch in range(max(cfg.ttt_grad_steps, 1)):
+    with frozen_weights(model):  # gradients reach the adapters only
+        fn = compiled(functools.partial(model.logits, one_doc=True), rt)  # a row holds one document's window
+        t0 = now_ms(rt.device)
+        if rt.compile_enabled:  # forward and backward compiled before the timer (full-length rows: one shape)
             with autocast(rt.device):
-                logits = fn(x, lora)
-            nll = cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none").view(R, T)
-            if epoch == 0:  # the score: before any step that sees these targets
-                sums += scorer.sums(nll.detach(), x, y, mask)
-                if probe is not None:
-                    at = (w[:, :1] + torch.arange(T, device=rt.device))[mask]
-                    probe["nll"][at] = nll.detach()[mask].double()
-                    probe["lse"][at] = logits.detach().float().logsumexp(-1)[mask].double()
-            if cfg.ttt_grad_steps == 0 or not train.any():
-                break
-            ((nll * mask).sum(1) / mask.sum(1).clamp(min=1) * train).sum().backward()
-            lora.adamw_step(train, cfg.ttt_lora_lr, cfg.ttt_weight_decay)
+                fn(torch.zeros(R, T, dtype=torch.int64, device=rt.device), lora).float().sum().backward()
             lora.zero_grad(set_to_none=True)
-        pos = [p + (d is not None) for d, p in zip(row_doc, pos)]
-    for p in trainable:
-        p.requires_grad_(True)
+        compile_ms = now_ms(rt.device) - t0
+        if rt.is_main:
+            log(f"ttt_lora documents:{len(docs)} chunks:{sum(map(len, docs))} rank0_documents:{len(queue)} "
+                f"rows:{R} compile_time:{compile_ms:.0f}ms")
+        sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
+        row_doc: list[list | None] = [None] * R  # each row's document (its chunks), and its next chunk's index
+        pos, taken, done, logged = [0] * R, 0, 0, 0
+        t0 = now_ms(rt.device)
+        while True:
+            fresh = [r for r in range(R) if row_doc[r] is None or pos[r] == len(row_doc[r])]
+            for r in fresh:
+                done += row_doc[r] is not None
+                row_doc[r], pos[r], taken = (queue[taken], 0, taken + 1) if taken < len(queue) else (None, 0, taken)
+            if rt.is_main and done * 8 // max(len(queue), 1) > logged:
+                logged = done * 8 // len(queue)
+                log(f"ttt_lora_docs:{done}/{len(queue)} rank0_bpb_so_far:{loss_and_bpb(sums.tolist())[1]:.4f} "
+                    f"time:{now_ms(rt.device) - t0:.0f}ms")
+            if all(d is None for d in row_doc):
+                break
+            lora.reset(torch.tensor([r in fresh for r in range(R)], device=rt.device))
+            w = torch.tensor([d[p] if d else (0, 0, 0) for d, p in zip(row_doc, pos)], device=rt.device)
+            train = torch.tensor([d is not None and p < len(d) - 1 for d, p in zip(row_doc, pos)], device=rt.device)
+            x, y, mask = scorer.rows(w[:, 0], w[:, 1] - w[:, 0], w[:, 2] - w[:, 0], T)
+            for epoch in range(max(cfg.ttt_grad_steps, 1)):
+                with autocast(rt.device):
+                    logits = fn(x, lora)
+                nll = cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none").view(R, T)
+                if epoch == 0:  # the score: before any step that sees these targets
+                    sums += scorer.sums(nll.detach(), x, y, mask)
+                    if probe is not None:
+                        at = (w[:, :1] + torch.arange(T, device=rt.device))[mask]
+                        probe["nll"][at] = nll.detach()[mask].double()
+                        probe["lse"][at] = logits.detach().float().logsumexp(-1)[mask].double()
+                if cfg.ttt_grad_steps == 0 or not train.any():
+                    break
+                ((nll * mask).sum(1) / mask.sum(1).clamp(min=1) * train).sum().backward()
+                lora.adamw_step(train, cfg.ttt_lora_lr, cfg.ttt_weight_decay)
+                lora.zero_grad(set_to_none=True)
+            pos = [p + (d is not None) for d, p in zip(row_doc, pos)]
     all_reduce_sum_(sums)
     return make_score(sums, now_ms(rt.device) - t0, compile_ms)
 
@@ -2853,6 +2875,9 @@ def main() -> int:
         if cfg.doc_isolation and not settings["doc_isolation"]:  # scoring rows hold one document (GPT.hidden's
             settings["doc_isolation"] = True  # one_doc): isolation there chooses windows, not the weights' function
             warnings.append(f"artifact {cfg.eval_only} was trained without DOC_ISOLATION: scored per document")
+            if cfg.ttt_enabled and cfg.ttt_mode == "sgd" and cfg.ttt_epochs > 0:
+                raise ValueError(f"TTT_MODE=sgd would train artifact {cfg.eval_only} (made without DOC_ISOLATION) "
+                                 "through the document mask: leave DOC_ISOLATION unset, or use TTT_MODE=lora")
         cfg, _ = adopt_settings(cfg, settings, MODEL_SETTINGS, explicit, f"artifact {cfg.eval_only}")
     if cfg.auto_size > 0 and ckpt is None and stored is None:  # a resumed or scored model keeps its shapes
         cfg = fit_to_limit(cfg, explicit, len(shipped_code(code)))

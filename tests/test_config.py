@@ -179,8 +179,13 @@ def test_unrelated_variables_are_ignored():
 def test_reference_ttt_settings_are_fields():
     """REFERENCE.md lists TTT_ENABLED ... TTT_GRAD_CLIP among the settings: they are read (never silently
     ignored, the reference's failure mode), with the reference's defaults, and a misspelling is an error."""
-    cfg, warnings = tg.Hyperparameters.from_env({"TTT_ENABLED": "1", "TTT_LR": "0.004", "TTT_EPOCHS": "2"})
+    cfg, warnings = tg.Hyperparameters.from_env({"TTT_ENABLED": "1", "TTT_MODE": "sgd", "TTT_LR": "0.004", "TTT_EPOCHS": "2"})
     assert (cfg.ttt_enabled, cfg.ttt_lr, cfg.ttt_epochs) == (True, 0.004, 2) and warnings == []
+    # the default mode is lora: sgd's settings are reported as ignored, and the other way round
+    _, warnings = tg.Hyperparameters.from_env({"TTT_ENABLED": "1", "TTT_LR": "0.004", "TTT_LORA_RANK": "8"})
+    assert warnings == ["setting TTT_LR is TTT_MODE=sgd's; TTT_MODE=lora ignores it"]
+    _, warnings = tg.Hyperparameters.from_env({"TTT_MODE": "sgd", "TTT_GRAD_STEPS": "2"})
+    assert warnings == ["setting TTT_GRAD_STEPS is TTT_MODE=lora's; TTT_MODE=sgd ignores it"]
     d = tg.Hyperparameters()
     assert (d.ttt_enabled, d.ttt_lr, d.ttt_epochs, d.ttt_chunk_tokens, d.ttt_freeze_blocks, d.ttt_momentum,
             d.ttt_batch_seqs, d.ttt_grad_clip) == (False, 0.006, 3, 32768, 0, 0.9, 32, 1.0)

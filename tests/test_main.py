@@ -363,6 +363,9 @@ def test_eval_only_scores_an_artifact_trained_without_isolation_per_document(see
               for log in (evaluated, trained)]
     key = "final_int6_sliding_window_exact "
     assert counts[0] == counts[1] and one_line(evaluated, key) != one_line(trained, key)
+    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY="logs/same_a.int6.ptz", DOC_ISOLATION=1,
+                            TTT_ENABLED=1, TTT_MODE="sgd", RUN_ID="same_a_sgd"), cwd)
+    assert r.returncode != 0 and "TTT_MODE=sgd would train artifact" in r.stderr
 
 
 def test_doc_isolation_refuses_a_tokenizer_whose_bos_is_not_1(dataset, tokenizer_path, tmp_path):

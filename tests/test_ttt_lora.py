@@ -253,3 +253,21 @@ def test_lora_ttt_leaves_the_models_requires_grad_flags_as_it_found_them():
     scorer = make_scorer(cfg, tokens, make_luts())
     tg.lora_ttt(cfg, scorer.rt, model, scorer, tg.Logger("x", enabled=False))
     assert {n: p.requires_grad for n, p in model.named_parameters()} == before and not before["tok_emb.weight"]
+
+
+def test_scoring_paths_never_build_the_document_mask(monkeypatch):
+    """Under DOC_ISOLATION the sliding scorer, lora TTT and sgd TTT without updates run on rows of one document:
+    no (B, T, T) mask, so any attention backend serves them (GPT.hidden's one_doc). Only rows that cross
+    documents (training, sgd's updates) build it."""
+    cfg = lora_cfg(ttt_grad_steps=1)
+    tokens, model = make_stream(270), model_for(cfg)
+    monkeypatch.setattr(tg, "document_mask", lambda ids: (_ for _ in ()).throw(AssertionError("mask built")))
+    make_scorer(cfg, tokens, make_luts())(model, cfg.eval_stride)
+    lora_run(cfg, tokens)
+    sgd = dataclasses.replace(cfg, ttt_mode="sgd", ttt_epochs=0, ttt_chunk_tokens=64, ttt_batch_seqs=2)
+    scorer = make_scorer(sgd, tokens, make_luts())
+    tg.legal_ttt(sgd, scorer.rt, model, scorer, tg.Logger("x", enabled=False))
+    with pytest.raises(AssertionError, match="mask built"):  # sgd's updates cross documents
+        tg.legal_ttt(dataclasses.replace(sgd, ttt_epochs=1), scorer.rt, model, scorer, tg.Logger("x", enabled=False))
+    with pytest.raises(ValueError, match="each document's own"):
+        make_scorer(cfg, tokens, make_luts())(model, cfg.eval_stride, per_doc=False)
