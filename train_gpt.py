@@ -60,7 +60,7 @@ FOREIGN_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP_", "MASTER_", "LOCA
                     "TRITON", "PYTHON", "HF_", "MKL", "KMP_", "GLOO", "NVIDIA", "CUBLAS", "CUDNN")
 GENERIC_WORDS = {"MAX", "NUM", "RUN", "DATA", "MODEL", "HEAD", "DEVICE", "LOCAL", "WORLD", "RANK"}
 CHOICES = {"compressor": ("auto", "zstd", "lzma", "fast", "rans"), "compile_enabled": ("auto", "0", "1"),
-           "attn_backend": ("auto", "fa3", "flash", "cudnn", "math"), "muon_reduce_dtype": ("auto", "bf16", "fp32"),
+           "attn_backend": ("auto", "fa3", "flash", "cudnn", "math", "varlen"), "muon_reduce_dtype": ("auto", "bf16", "fp32"),
            "device": ("auto", "cuda", "cpu"), "train_sampling": ("sequential", "coprime"),
            "kernels": ("auto", "triton", "torch"), "cuda_graphs": ("auto", "0", "1"),
            "parallel_final_lane": ("mean", "attn", "mlp"), "ttt_mode": ("sgd", "lora")}
@@ -159,7 +159,7 @@ class Hyperparameters:
     gate_window: int = 12  # leading channels of the attention input h (normalised) that the output gates read
     smear_bos_fix: bool = True  # SmearGate mixes nothing into a document's first token (BOS) from the one before
     doc_isolation: bool = False  # nothing crosses a BOS: block-diagonal causal attention, BigramHash (train and score)
-    attn_backend: str = "auto"  # auto = fa3 if importable, else SDPA cudnn (CUDA) / math (CPU)
+    attn_backend: str = "auto"  # auto = fa3 if importable, else SDPA cudnn (CUDA) / math (CPU); varlen: DOC_ISOLATION on CUDA
     kernels: str = "auto"  # q/k norm+RoPE+gain, XSA, soft-capped cross entropy: auto = triton on CUDA, torch ops on CPU (triton there needs TRITON_INTERPRET=1)
     # --- optimizer
     matrix_lr: float = 0.025  # Muon lr for the four banks
@@ -394,7 +394,7 @@ class Runtime:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
-    attn_backend: str = "math"  # fa3 | flash | cudnn | math
+    attn_backend: str = "math"  # fa3 | flash | cudnn | math | varlen
     kernels: str = "torch"  # triton | torch: who runs q/k norm+RoPE, XSA and the training loss
     compile_enabled: bool = False
     cuda_graphs: bool = False
@@ -428,7 +428,7 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
         raise RuntimeError("DEVICE=cuda but CUDA is not available")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     for name, value in (("ATTN_BACKEND", cfg.attn_backend), ("CUDA_GRAPHS", cfg.cuda_graphs)):
-        if not cuda and value in ("fa3", "flash", "cudnn", "1"):
+        if not cuda and value in ("fa3", "flash", "cudnn", "varlen", "1"):
             raise ValueError(f"{name}={value} needs CUDA")
     if cfg.kernels == "triton" and triton is None:
         raise ValueError("KERNELS=triton needs the triton package")
@@ -439,11 +439,11 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
     else:  # cuDNN SDPA (native GQA) ran fwd+bwd in 2.40 ms vs 3.71 for SDPA flash at the record micro-batch (H200)
         import importlib.util
         attn = ("fa3" if importlib.util.find_spec("flash_attn_interface") else "cudnn") if cuda else "math"
-    # DOC_ISOLATION's (B, T, T) mask, where rows cross documents (training, sgd TTT's updates), is SDPA math's
-    # only so far (a GPU varlen backend is issue 23's next step); scoring rows need none (GPT.hidden's one_doc)
+    # Where rows cross documents (training, sgd TTT's updates), DOC_ISOLATION needs the (B, T, T) mask (math) or
+    # varlen's cu_seqlens; scoring rows need neither (GPT.hidden's one_doc). varlen is not auto: not yet measured
     masked = not cfg.eval_only or (cfg.ttt_enabled and cfg.ttt_mode == "sgd" and cfg.ttt_epochs > 0)
-    if cfg.doc_isolation and masked and attn != "math":
-        raise ValueError(f"DOC_ISOLATION=1 trains on ATTN_BACKEND=math only so far (the backend here is {attn}); "
+    if cfg.doc_isolation and masked and attn not in ("math", "varlen"):
+        raise ValueError(f"DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen (the backend here is {attn}); "
                          "EVAL_ONLY scoring and TTT_MODE=lora run on any")
     kernels = cfg.kernels if cfg.kernels != "auto" else ("triton" if cuda and triton is not None else "torch")
     auto_on = {"auto": cuda, "1": True, "0": False}
@@ -454,8 +454,8 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         # one SDPA kernel, so a silent fallback cannot change speed
-        for kind in ("flash", "cudnn", "mem_efficient", "math"):
-            getattr(torch.backends.cuda, f"enable_{kind}_sdp")(attn == kind)
+        for kind in ("flash", "cudnn", "mem_efficient", "math"):  # varlen's rows of one document: cuDNN
+            getattr(torch.backends.cuda, f"enable_{kind}_sdp")(kind == {"varlen": "cudnn"}.get(attn, attn))
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl", device_id=device) if cuda else dist.init_process_group("gloo")
     return rt
@@ -821,6 +821,7 @@ GET_DATA = ("get FineWeb with `python3 data/cached_challenge_fineweb.py --varian
             "`bash data/quickstart.sh` for the offline sample")
 SAMPLE_MARK = 0x504D4153  # header word 3 of the shards data/make_sample.py writes (b"SAMP"; FineWeb's hold 0)
 BOS_ID = 1  # every document of a shard starts with it: the challenge tokenizers' <s>
+DOC_BOUNDARY_TOKENS = 256  # varlen: room for a document per 256 tokens (FineWeb: about 85 in a 98K-token micro-batch)
 
 
 class ShardError(ValueError):
@@ -952,6 +953,8 @@ class TrainLoader:
         self.rt, self.seq_len, self.seqs_per_step = rt, cfg.train_seq_len, cfg.train_batch_tokens // cfg.train_seq_len
         self.seqs_per_micro = self.seqs_per_step // (rt.world_size * rt.grad_accum)
         self.ahead = None  # (sampler state before it, x, y, copy-done event) of the prefetched step
+        varlen = cfg.doc_isolation and rt.attn_backend == "varlen"
+        self.max_docs = self.seqs_per_micro * (1 + cfg.train_seq_len // DOC_BOUNDARY_TOKENS) if varlen else 0
         if rt.device.type == "cuda":
             shape = (rt.grad_accum * self.seqs_per_micro, self.seq_len)
             self.host = [[torch.empty(shape, dtype=torch.int64, pin_memory=True) for _ in "xy"] for _ in "ab"]
@@ -966,6 +969,11 @@ class TrainLoader:
             self.sampler.load_state_dict(state)
             raise
         mine = np.concatenate([seqs[(m * W + self.rt.rank) * s:][:s] for m in range(self.rt.grad_accum)])
+        if self.max_docs:  # varlen's fixed-size cu_seqlens: more documents would merge
+            docs = (mine[:, 1:-1] == BOS_ID).reshape(self.rt.grad_accum, -1).sum(1) + s  # row starts and BOS
+            if docs.max() > self.max_docs:
+                raise ValueError(f"a micro-batch holds {docs.max()} documents, more than varlen's cu_seqlens holds "
+                                 f"({self.max_docs}: one per {DOC_BOUNDARY_TOKENS} tokens); use ATTN_BACKEND=math")
         if self.rt.device.type != "cuda":
             t = torch.from_numpy(mine.astype(np.int64))
             return state, t[:, :-1].contiguous(), t[:, 1:].contiguous(), None
@@ -1044,8 +1052,24 @@ def document_mask(ids_BT: Tensor) -> Tensor:
     return ((docs[:, :, None] == docs[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=ids_BT.device).tril())[:, None]
 
 
+def document_segments(ids_BT: Tensor) -> Tensor:
+    """varlen's cu_seqlens (int32) over the flattened rows: every row start and every BOS, then B*T repeated (empty
+    sequences) up to a fixed B + B*T/DOC_BOUNDARY_TOKENS + 1 entries, so one compiled shape serves every batch.
+    TrainLoader refuses a batch with more documents (they would merge)."""
+    (B, T), dev = ids_BT.shape, ids_BT.device
+    starts = (ids_BT == BOS_ID) | (torch.arange(T, device=dev) == 0)
+    nth = torch.arange(1, B + B * T // DOC_BOUNDARY_TOKENS + 1, device=dev)
+    return F.pad(torch.searchsorted(starts.flatten().cumsum(0), nth), (0, 1), value=B * T).to(torch.int32)
+
+
 def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str, mask: Tensor | None = None) -> Tensor:
-    """Causal attention; with a document_mask, only within each document (SDPA with that mask)."""
+    """Causal attention; with a document_mask, only within each document (SDPA with that mask), or with varlen's
+    document_segments (torch 2.11's varlen_attn: causal as window (-1, 0), no GQA, so K/V repeated)."""
+    if mask is not None and backend == "varlen":
+        from torch.nn.attention.varlen import varlen_attn
+        (B, T, H, D), K = q_BTHD.shape, k_BTKD.size(2)
+        k, v = (t.repeat_interleave(H // K, 2).reshape(B * T, H, D) for t in (k_BTKD, v_BTKD))
+        return varlen_attn(q_BTHD.reshape(B * T, H, D), k, v, mask, mask, T, T, window_size=(-1, 0)).view(B, T, H, D)
     if mask is not None:
         q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTKD, v_BTKD))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
@@ -1287,7 +1311,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} > max(TRAIN_SEQ_LEN, EVAL_SEQ_LEN) = {self.rope_cos.size(0)}")
         H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         lns = [1.0 / math.sqrt(i + 1) if cfg.ln_scale else 1.0 for i in range(L)]  # by layer, not position
-        doc_mask = document_mask(ids_BT) if cfg.doc_isolation and not one_doc else None  # once for all layers
+        docs = document_segments if self.attn_backend == "varlen" else document_mask
+        doc_mask = docs(ids_BT) if cfg.doc_isolation and not one_doc else None  # built once for all layers
 
         def attn(i: int, x: Tensor) -> Tensor:  # layer i's attention of its input x (pre-norm), scaled
             blk, ln = self.blocks[i], lns[i]

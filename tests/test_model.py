@@ -244,9 +244,9 @@ def test_doc_isolation_refuses_the_smear_without_its_bos_fix_and_gpu_backends(mo
     tiny = dict(NUM_LAYERS=2, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=1, VOCAB_SIZE=64, VE_LAYERS="1", DOC_ISOLATION=1)
     assert tg.init_runtime(make_cfg(**tiny, DEVICE="cpu"), {}).attn_backend == "math"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the check comes before any CUDA call
-    with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math only so far .* cudnn"):
+    with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen .* cudnn"):
         tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch"), {})
-    with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math only"):  # sgd TTT updates
+    with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen"):  # sgd TTT updates
         tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", EVAL_ONLY="a.ptz", TTT_ENABLED=1, TTT_MODE="sgd"), {})
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)  # and keep this process's SDPA backends
     for kind in ("flash", "cudnn", "mem_efficient", "math"):
@@ -517,3 +517,60 @@ def test_fa3_backend_in_the_model(fake_fa3):
     assert all(c["q"].shape == (2, 32, 4, 8) and c["k"].shape == (2, 32, 2, 8) for c in calls)
     with pytest.raises(ValueError, match="ATTN_BACKEND=fa3 needs CUDA"):  # never silently on a CPU
         tg.init_runtime(make_cfg(ATTN_BACKEND="fa3", DEVICE="cpu"), {})
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, window_size):
+    """torch.nn.attention.varlen.varlen_attn's meaning (its kernel runs on CUDA only): causal attention within
+    each [cu[i], cu[i+1]) of the flattened tokens, empty sequences allowed."""
+    assert torch.equal(cu_q, cu_k) and window_size == (-1, 0) and cu_q.dtype == torch.int32 and k.shape == q.shape
+    out = torch.zeros_like(q)
+    for a, b in zip(cu_q.tolist(), cu_q[1:].tolist()):
+        if b > a:
+            t = [x[a:b].transpose(0, 1) for x in (q, k, v)]
+            out[a:b] = F.scaled_dot_product_attention(*t, is_causal=True).transpose(0, 1)
+    return out
+
+
+def test_document_segments_list_row_starts_and_bos_padded_to_a_fixed_size(monkeypatch):
+    monkeypatch.setattr(tg, "DOC_BOUNDARY_TOKENS", 4)
+    ids = torch.full((2, 8), 5)
+    ids[0, 0] = ids[0, 5] = ids[1, 3] = tg.BOS_ID
+    cu = tg.document_segments(ids)  # 2 rows + 16 / 4 = 6 boundaries at most, then the end
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 5, 8, 11, 16, 16, 16]
+    ids[:, 1:] = tg.BOS_ID  # 16 documents: more than 6, the rest merge into the last (TrainLoader refuses this)
+    assert tg.document_segments(ids).tolist() == [0, 1, 2, 3, 4, 5, 16]
+
+
+@pytest.mark.parametrize("name", ["full", "gates"])
+def test_varlen_backend_equals_the_document_mask(monkeypatch, name):
+    """ATTN_BACKEND=varlen's plumbing (cu_seqlens, flattening, K/V repeated for GQA, the result's layout) with the
+    kernel replaced by its meaning: logits and gradients equal the math backend's masked SDPA. The kernel itself
+    is compared on the GPU."""
+    import torch.nn.attention.varlen as varlen_module
+    monkeypatch.setattr(varlen_module, "varlen_attn", varlen_reference)
+    monkeypatch.setattr(tg, "DOC_BOUNDARY_TOKENS", 4)
+    masked = perturbed_feature_model(name, DOC_ISOLATION=1)
+    varlen = perturbed_feature_model(name, DOC_ISOLATION=1)
+    varlen.attn_backend = "varlen"
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(2, masked.cfg.vocab_size, (3, 24), generator=g)
+    ids[0, [4, 9]] = ids[1, 0] = ids[2, [1, 2, 20]] = tg.BOS_ID
+    outs = []
+    for model in (masked, varlen):
+        logits = model.logits(ids)
+        logits.square().sum().backward()
+        outs.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-9, atol=1e-9)
+    for n, grad in outs[0][1].items():
+        torch.testing.assert_close(outs[1][1][n], grad, rtol=1e-8, atol=1e-10, msg=n)
+
+
+def test_varlen_loader_refuses_a_batch_with_more_documents_than_cu_seqlens_holds(tmp_path):
+    from conftest import write_shard
+    tokens = [tg.BOS_ID if i % 3 == 0 else 7 for i in range(600)]  # a document every 3 tokens
+    write_shard(tmp_path / "fineweb_train_000000.bin", tokens)
+    cfg = make_cfg(TRAIN_SEQ_LEN=512, TRAIN_BATCH_TOKENS=512, DOC_ISOLATION=1, VOCAB_SIZE=64)
+    files = [str(tmp_path / "fineweb_train_000000.bin")]
+    tg.TrainLoader(files, cfg, tg.Runtime()).next_batch()  # the math backend's mask has no limit
+    with pytest.raises(ValueError, match="holds 171 documents, more than varlen's cu_seqlens holds \\(3"):
+        tg.TrainLoader(files, cfg, tg.Runtime(attn_backend="varlen")).next_batch()
