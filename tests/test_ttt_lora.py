@@ -173,6 +173,32 @@ def _lora_on_rank(rank: int, world_size: int, tokens: list[int]):
     return (score.loss, score.bpb, score.tokens, score.bytes), nll.numpy()
 
 
+def test_more_ranks_than_documents_equal_one_rank():
+    """Two documents (BOS at 0 and 5, a stream of 40 tokens) on 3 ranks: the third rank has none and still joins
+    the reduction; the score equals one process's."""
+    tokens = make_stream(40)
+    tokens[6] = 7  # make_stream's third BOS
+    tokens = tokens.tolist()
+    one, _ = _lora_on_rank(0, 1, tokens)
+    results = spawn(_lora_on_rank, 3, tokens)
+    assert all(r[0][2:] == one[2:] for r in results) and results[2][1].size == 39 and np.isnan(results[2][1]).all()
+    assert results[0][0][0] == pytest.approx(one[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("chunk, stride", [(12, 8), (5, 8), (8, 5)])
+def test_chunks_longer_or_shorter_than_the_stride_keep_every_earlier_score(chunk, stride):
+    """With training on, a chunk that spans two windows' targets (chunk > stride) or part of one: changing token
+    p still leaves every normaliser up to p - 1 and every NLL before p - 1 unchanged; every target is scored."""
+    cfg, a = lora_cfg(ttt_chunk_size=chunk, eval_stride=stride), make_stream(200)
+    score, nll_a, lse_a = lora_run(cfg, a, lse=True)
+    assert score.tokens == 199 and not nll_a.isnan().any()
+    for p in (23, 70, 141):
+        b = a.clone()
+        b[p] = 2 + (a[p] - 1) % (V - 2)
+        _, nll_b, lse_b = lora_run(cfg, b, lse=True)
+        assert torch.equal(lse_a[:p], lse_b[:p]) and torch.equal(nll_a[:p - 1], nll_b[:p - 1]), p
+
+
 def test_two_ranks_equal_one_rank():
     """9 documents in batches of 2: 5 batches, 3 on rank 0 and 2 on rank 1."""
     tokens = make_stream(270).tolist()
