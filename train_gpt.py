@@ -439,12 +439,14 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
     else:  # cuDNN SDPA (native GQA) ran fwd+bwd in 2.40 ms vs 3.71 for SDPA flash at the record micro-batch (H200)
         import importlib.util
         attn = ("fa3" if importlib.util.find_spec("flash_attn_interface") else "cudnn") if cuda else "math"
-    # Where rows cross documents (training, sgd TTT's updates), DOC_ISOLATION needs the (B, T, T) mask (math) or
-    # varlen's cu_seqlens; scoring rows need neither (GPT.hidden's one_doc). varlen is not auto: not yet measured
-    masked = not cfg.eval_only or (cfg.ttt_enabled and cfg.ttt_mode == "sgd" and cfg.ttt_epochs > 0)
-    if cfg.doc_isolation and masked and attn not in ("math", "varlen"):
-        raise ValueError(f"DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen (the backend here is {attn}); "
-                         "EVAL_ONLY scoring and TTT_MODE=lora run on any")
+    # DOC_ISOLATION where rows cross documents: training on math's (B, T, T) mask or varlen's cu_seqlens (TrainLoader
+    # checks their size), sgd TTT's updates on math only; scoring rows need neither (GPT.hidden's one_doc)
+    sgd = cfg.ttt_enabled and cfg.ttt_mode == "sgd" and cfg.ttt_epochs > 0
+    if cfg.doc_isolation and (sgd or not cfg.eval_only) and attn not in (("math",) if sgd else ("math", "varlen")):
+        raise ValueError(f"DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen, and TTT_MODE=sgd updates on math "
+                         f"(the backend here is {attn}); EVAL_ONLY scoring and TTT_MODE=lora run on any")
+    if attn == "varlen" and not cfg.doc_isolation:  # and not chosen by auto: not yet measured
+        raise ValueError("ATTN_BACKEND=varlen is DOC_ISOLATION=1's backend")
     kernels = cfg.kernels if cfg.kernels != "auto" else ("triton" if cuda and triton is not None else "torch")
     auto_on = {"auto": cuda, "1": True, "0": False}
     rt = Runtime(rank, world_size, local_rank, device, attn, kernels, auto_on[cfg.compile_enabled],
@@ -1053,9 +1055,8 @@ def document_mask(ids_BT: Tensor) -> Tensor:
 
 
 def document_segments(ids_BT: Tensor) -> Tensor:
-    """varlen's cu_seqlens (int32) over the flattened rows: every row start and every BOS, then B*T repeated (empty
-    sequences) up to a fixed B + B*T/DOC_BOUNDARY_TOKENS + 1 entries, so one compiled shape serves every batch.
-    TrainLoader refuses a batch with more documents (they would merge)."""
+    """varlen's cu_seqlens (int32) of the flattened rows: row starts and BOS, then B*T (empty sequences) up to a fixed
+    B + B*T/DOC_BOUNDARY_TOKENS + 1 entries, one compiled shape (TrainLoader refuses batches with more documents)."""
     (B, T), dev = ids_BT.shape, ids_BT.device
     starts = (ids_BT == BOS_ID) | (torch.arange(T, device=dev) == 0)
     nth = torch.arange(1, B + B * T // DOC_BOUNDARY_TOKENS + 1, device=dev)
@@ -1825,8 +1826,7 @@ class Scorer:
         return torch.tensor(wins, dtype=torch.int64, device=self.rt.device).view(-1, 3)
 
     def doc_starts(self, per_doc: bool | None = None) -> list[int]:
-        """The first target of each document (its BOS) with DOC_ISOLATION (or per_doc), else [0]: the whole
-        stream is one."""
+        """Each document's first target (its BOS) with DOC_ISOLATION (or per_doc), else [0]: one stream."""
         n, per_doc = self.tokens.numel() - 1, self.cfg.doc_isolation if per_doc is None else per_doc
         return sorted({0} | set((self.tokens[:n] == BOS_ID).nonzero().flatten().tolist())) if per_doc else [0]
 

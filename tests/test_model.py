@@ -244,10 +244,15 @@ def test_doc_isolation_refuses_the_smear_without_its_bos_fix_and_gpu_backends(mo
     tiny = dict(NUM_LAYERS=2, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=1, VOCAB_SIZE=64, VE_LAYERS="1", DOC_ISOLATION=1)
     assert tg.init_runtime(make_cfg(**tiny, DEVICE="cpu"), {}).attn_backend == "math"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the check comes before any CUDA call
-    with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen .* cudnn"):
+    with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen, .* cudnn"):
         tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch"), {})
     with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen"):  # sgd TTT updates
         tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", EVAL_ONLY="a.ptz", TTT_ENABLED=1, TTT_MODE="sgd"), {})
+    with pytest.raises(ValueError, match="TTT_MODE=sgd updates on math .* varlen"):  # its rows are not counted
+        tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", ATTN_BACKEND="varlen", TTT_ENABLED=1,
+                                 TTT_MODE="sgd"), {})
+    with pytest.raises(ValueError, match="ATTN_BACKEND=varlen is DOC_ISOLATION=1's backend"):
+        tg.init_runtime(make_cfg(**(tiny | dict(DOC_ISOLATION=0)), DEVICE="cuda", KERNELS="torch", ATTN_BACKEND="varlen"), {})
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)  # and keep this process's SDPA backends
     for kind in ("flash", "cudnn", "mem_efficient", "math"):
         monkeypatch.setattr(torch.backends.cuda, f"enable_{kind}_sdp", lambda on: None)
