@@ -1827,6 +1827,8 @@ class Scorer:
 
     def doc_starts(self, per_doc: bool | None = None) -> list[int]:
         """Each document's first target (its BOS) with DOC_ISOLATION (or per_doc), else [0]: one stream."""
+        if self.cfg.doc_isolation and per_doc is False:
+            raise ValueError("with DOC_ISOLATION the windows are each document's own (the rows carry no mask)")
         n, per_doc = self.tokens.numel() - 1, self.cfg.doc_isolation if per_doc is None else per_doc
         return sorted({0} | set((self.tokens[:n] == BOS_ID).nonzero().flatten().tolist())) if per_doc else [0]
 
@@ -1869,8 +1871,6 @@ class Scorer:
         return torch.stack(((nll_BT.double() * m).sum(), m.sum(), (nbytes * m).sum()))
 
     def __call__(self, model: GPT, stride: int, per_doc: bool | None = None) -> Score:
-        if self.cfg.doc_isolation and per_doc is False:
-            raise ValueError("with DOC_ISOLATION the windows are each document's own (the rows carry no mask)")
         was_training = model.training
         model.eval()
         fn, compile_ms = self.prepare(model)
