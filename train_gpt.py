@@ -64,8 +64,6 @@ CHOICES = {"compressor": ("auto", "zstd", "lzma", "fast", "rans"), "compile_enab
            "device": ("auto", "cuda", "cpu"), "train_sampling": ("sequential", "coprime"),
            "kernels": ("auto", "triton", "torch"), "cuda_graphs": ("auto", "0", "1"),
            "parallel_final_lane": ("mean", "attn", "mlp"), "ttt_mode": ("sgd", "lora")}
-
-
 # The settings only one TTT_MODE reads (setting one for the other mode is reported, not silently ignored).
 TTT_MODE_SETTINGS = {"sgd": ("ttt_lr", "ttt_epochs", "ttt_chunk_tokens", "ttt_freeze_blocks", "ttt_momentum",
                              "ttt_batch_seqs", "ttt_grad_clip"),
@@ -218,8 +216,7 @@ class Hyperparameters:
     ttt_lora_lr: float = 3e-4  # lora: AdamW lr (betas 0, 0.99; eps 1e-10); 3e-4 gained 0.0085 on pqb, 1e-4 0.0053
     ttt_weight_decay: float = 0.5  # lora: AdamW weight decay of the adapters
     ttt_grad_steps: int = 1  # lora: AdamW steps on each chunk after it is scored (0 = score only); 2 at lr 1e-4: -0.0063 vs -0.0055, twice the time
-    # lora: targets per chunk of a document: score it, then TTT_GRAD_STEPS steps on it. 64 = EVAL_STRIDE: each later
-    # window is one chunk; the records' 48 splits it in two (proxy val: 105M row tokens through the model vs 54M)
+    # 64 = EVAL_STRIDE: each later window is one chunk (the records' 48 splits it: proxy val, 105M row tokens vs 54M)
     ttt_chunk_size: int = 64  # lora: targets per chunk of a document (scored, then trained on)
     ttt_batch_size: int = 64  # lora: rows (documents in flight) per rank; a finished document's row takes the next
 
@@ -439,8 +436,7 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
     else:  # cuDNN SDPA (native GQA) ran fwd+bwd in 2.40 ms vs 3.71 for SDPA flash at the record micro-batch (H200)
         import importlib.util
         attn = ("fa3" if importlib.util.find_spec("flash_attn_interface") else "cudnn") if cuda else "math"
-    # DOC_ISOLATION where rows cross documents: training on math's (B, T, T) mask or varlen's cu_seqlens (TrainLoader
-    # checks their size), sgd TTT's updates on math only; scoring rows need neither (GPT.hidden's one_doc)
+    # DOC_ISOLATION's rows that cross documents need a mask (varlen's sized by TrainLoader); scoring rows do not
     sgd = cfg.ttt_enabled and cfg.ttt_mode == "sgd" and cfg.ttt_epochs > 0
     if cfg.doc_isolation and (sgd or not cfg.eval_only) and attn not in (("math",) if sgd else ("math", "varlen")):
         raise ValueError(f"DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen, and TTT_MODE=sgd updates on math "
@@ -1165,12 +1161,11 @@ class Block(nn.Module):
 
 
 class DocLoRA(nn.Module):
-    """TTT_MODE=lora's adapters (the 04-10..04-27 records' LoRA TTT): row b holds one document at a time, with its
-    own rank-r pair (A: r x in, B: out x r) on q, k, v, o and the MLP of every layer and on the head; each adds
-    ALPHA/r * B A x, where x is the normed input of the block (attention or MLP) or the final hidden state.
-    reset(rows) starts new documents in those rows: B = 0 (the model unchanged), A = one fixed draw
-    (U(+-1/sqrt(in))), optimizer state cleared; adamw_step updates each row with its own step count. So a
-    document's result depends on nothing but its own tokens, whichever row and step it lands in."""
+    """TTT_MODE=lora's adapters (the 04-10..04-27 records' LoRA TTT). Row b holds one document at a time: rank-r pairs
+    (A: r x in, B: out x r) on q, k, v, o and the MLP of every layer and on the head, each adding ALPHA/r * B A x (x:
+    the block's normed input, or the final hidden state). reset(rows) starts documents there: B = 0 (the model as it
+    was), A one fixed U(+-1/sqrt(in)) draw, no optimizer state; adamw_step steps each row with its own count. So a
+    document's result depends on its own tokens only, whichever row and step it lands in."""
 
     def __init__(self, cfg: Hyperparameters, rows: int, device: torch.device):
         super().__init__()
@@ -1817,19 +1812,16 @@ class Scorer:
         self.cfg, self.rt, self.luts, self.tokens = cfg, rt, luts, tokens.to(rt.device)
         self.batch_seqs = max(1, cfg.val_batch_size // (rt.world_size * rt.grad_accum * cfg.eval_seq_len))
 
-    def windows(self, stride: int, per_doc: bool | None = None) -> Tensor:
-        """sliding_windows over the targets; with DOC_ISOLATION over each document's own targets (from its BOS
-        to the next), so no window starts before its document: a short document is one window, not
-        EVAL_SEQ_LEN / stride masked ones (the rows read on into the next document, which the mask hides)."""
+    def windows(self, stride: int, per_doc: bool = False) -> Tensor:
+        """sliding_windows over the targets; with DOC_ISOLATION (or per_doc) over each document's own targets (BOS to
+        BOS): no window starts before its document, and a short document is one window, not EVAL_SEQ_LEN / stride."""
         n, T, starts = self.tokens.numel() - 1, self.cfg.eval_seq_len, self.doc_starts(per_doc)
         wins = [(s + a, s + b, s + c) for s, e in zip(starts, starts[1:] + [n]) for a, b, c in sliding_windows(e - s, T, stride)]
         return torch.tensor(wins, dtype=torch.int64, device=self.rt.device).view(-1, 3)
 
-    def doc_starts(self, per_doc: bool | None = None) -> list[int]:
-        """Each document's first target (its BOS) with DOC_ISOLATION (or per_doc), else [0]: one stream."""
-        if self.cfg.doc_isolation and per_doc is False:
-            raise ValueError("with DOC_ISOLATION the windows are each document's own (the rows carry no mask)")
-        n, per_doc = self.tokens.numel() - 1, self.cfg.doc_isolation if per_doc is None else per_doc
+    def doc_starts(self, per_doc: bool = False) -> list[int]:
+        """Each document's first target (its BOS) with DOC_ISOLATION or per_doc, else [0]: one stream."""
+        n, per_doc = self.tokens.numel() - 1, per_doc or self.cfg.doc_isolation
         return sorted({0} | set((self.tokens[:n] == BOS_ID).nonzero().flatten().tolist())) if per_doc else [0]
 
     def prepare(self, model: GPT):
@@ -1870,7 +1862,7 @@ class Scorer:
         nbytes, m = base[y_BT].double() + (space[y_BT] & ~boundary[x_BT]).double(), mask_BT.double()
         return torch.stack(((nll_BT.double() * m).sum(), m.sum(), (nbytes * m).sum()))
 
-    def __call__(self, model: GPT, stride: int, per_doc: bool | None = None) -> Score:
+    def __call__(self, model: GPT, stride: int, per_doc: bool = False) -> Score:
         was_training = model.training
         model.eval()
         fn, compile_ms = self.prepare(model)
@@ -2004,8 +1996,7 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log:
             log(f"ttt_lora documents:{len(docs)} chunks:{sum(map(len, docs))} rank0_documents:{len(queue)} "
                 f"rows:{R} compile_time:{compile_ms:.0f}ms")
         sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
-        row_doc: list[list | None] = [None] * R  # each row's document (its chunks), and its next chunk's index
-        pos, taken, done, logged = [0] * R, 0, 0, 0
+        row_doc, pos, taken, done, logged = [None] * R, [0] * R, 0, 0, 0  # a row's document (its chunks), next chunk
         t0 = now_ms(rt.device)
         while True:
             fresh = [r for r in range(R) if row_doc[r] is None or pos[r] == len(row_doc[r])]
@@ -2896,14 +2887,7 @@ def main() -> int:
         warnings += more
     stored = read_artifact(cfg.eval_only) if cfg.eval_only else None
     if stored is not None:
-        settings = dict(stored[0])
-        if cfg.doc_isolation and not settings["doc_isolation"]:  # scoring rows hold one document (GPT.hidden's
-            settings["doc_isolation"] = True  # one_doc): isolation there chooses windows, not the weights' function
-            warnings.append(f"artifact {cfg.eval_only} was trained without DOC_ISOLATION: scored per document")
-            if cfg.ttt_enabled and cfg.ttt_mode == "sgd" and cfg.ttt_epochs > 0:
-                raise ValueError(f"TTT_MODE=sgd would train artifact {cfg.eval_only} (made without DOC_ISOLATION) "
-                                 "through the document mask: leave DOC_ISOLATION unset, or use TTT_MODE=lora")
-        cfg, _ = adopt_settings(cfg, settings, MODEL_SETTINGS, explicit, f"artifact {cfg.eval_only}")
+        cfg, _ = adopt_settings(cfg, stored[0], MODEL_SETTINGS, explicit, f"artifact {cfg.eval_only}")
     if cfg.auto_size > 0 and ckpt is None and stored is None:  # a resumed or scored model keeps its shapes
         cfg = fit_to_limit(cfg, explicit, len(shipped_code(code)))
     claimed = claim_outputs(cfg)

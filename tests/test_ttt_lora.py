@@ -295,5 +295,3 @@ def test_scoring_paths_never_build_the_document_mask(monkeypatch):
     tg.legal_ttt(sgd, scorer.rt, model, scorer, tg.Logger("x", enabled=False))
     with pytest.raises(AssertionError, match="mask built"):  # sgd's updates cross documents
         tg.legal_ttt(dataclasses.replace(sgd, ttt_epochs=1), scorer.rt, model, scorer, tg.Logger("x", enabled=False))
-    with pytest.raises(ValueError, match="each document's own"):
-        make_scorer(cfg, tokens, make_luts())(model, cfg.eval_stride, per_doc=False)
