@@ -251,6 +251,15 @@ def test_script_runs_lora_ttt_and_eval_only_reproduces_it(dataset, tokenizer_pat
                              RUN_ID="lora_eval", **ttt), tmp_path)
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert [ln for ln in r2.stdout.splitlines() if ln.startswith("legal_ttt_exact ")] == exact
+    if not iso:  # SLIDING_EVAL_ENABLED=0: the same TTT score, no sliding pass (the record runs' time saver)
+        r3 = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(tmp_path / "logs" / "lora.int6.ptz"),
+                                 RUN_ID="lora_fast", SLIDING_EVAL_ENABLED=0, **ttt), tmp_path)
+        assert r3.returncode == 0, r3.stderr[-3000:]
+        lines3 = r3.stdout.splitlines()
+        assert [ln for ln in lines3 if ln.startswith("legal_ttt_exact ")] == exact
+        assert not any(ln.startswith("final_int6_sliding_window") for ln in lines3)
+        assert any(ln.startswith("final_int6_roundtrip_exact ") for ln in lines3)
+        assert any(ln.startswith("summary score:legal_ttt ") for ln in lines3)
 
 
 def test_scores_are_a_full_softmax_over_the_vocabulary(monkeypatch):
@@ -295,3 +304,10 @@ def test_scoring_paths_never_build_the_document_mask(monkeypatch):
     tg.legal_ttt(sgd, scorer.rt, model, scorer, tg.Logger("x", enabled=False))
     with pytest.raises(AssertionError, match="mask built"):  # sgd's updates cross documents
         tg.legal_ttt(dataclasses.replace(sgd, ttt_epochs=1), scorer.rt, model, scorer, tg.Logger("x", enabled=False))
+
+
+def test_sliding_eval_off_needs_ttt():
+    """Without TTT the sliding score is the run's final score: switching it off alone is refused at the start."""
+    with pytest.raises(ValueError, match="SLIDING_EVAL_ENABLED=0 needs TTT_ENABLED=1"):
+        tg.Hyperparameters.from_env({"SLIDING_EVAL_ENABLED": "0"})
+    assert not tg.Hyperparameters.from_env({"SLIDING_EVAL_ENABLED": "0", "TTT_ENABLED": "1"})[0].sliding_eval_enabled
