@@ -188,7 +188,7 @@ class Hyperparameters:
     # --- eval / logging / export
     eval_seq_len: int = 2048  # sliding-window scoring window
     eval_stride: int = 64  # tokens scored per window (after the first)
-    sliding_eval_enabled: bool = True  # the EVAL_STRIDE sliding scores (7.7 + 2.4 s on the proxy, H200); 0: TTT's only
+    sliding_eval_enabled: bool = True  # the EVAL_STRIDE sliding scores (7.7 + 2.4 s on the proxy, H200); 0 (needs TTT): skip
     val_loss_every: int = 4000  # plain val scoring every N steps (0 = only at the end)
     val_batch_size: int = 524288  # scoring tokens per forward over all ranks x grad-accum slots
     train_log_every: int = 500  # train_loss line every N steps (and the first 10)
@@ -1823,7 +1823,8 @@ class Scorer:
         return torch.tensor(wins, dtype=torch.int64, device=self.rt.device).view(-1, 3)
 
     def doc_starts(self, per_doc: bool = False) -> list[int]:
-        """Each document's first target (its BOS) with DOC_ISOLATION or per_doc, else [0]: one stream."""
+        """Each document's first target (its BOS) with DOC_ISOLATION or per_doc (False never undoes DOC_ISOLATION),
+        else [0]: one stream."""
         n, per_doc = self.tokens.numel() - 1, per_doc or self.cfg.doc_isolation
         return sorted({0} | set((self.tokens[:n] == BOS_ID).nonzero().flatten().tolist())) if per_doc else [0]
 
