@@ -1974,12 +1974,13 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log:
              probe: dict[str, Tensor] | None = None) -> Score:
     """TTT_MODE=lora, score-first per document (FRONTIER 2.2). The scorer's per-document sliding windows (those
     of DOC_ISOLATION, whatever it is) are cut into chunks of TTT_CHUNK_SIZE scored targets, each keeping its
-    window's start, so a chunk's targets see exactly the context they have in the per-document sliding score. Documents, longest first (every WORLD_SIZE-th on
-    this rank), fill TTT_BATCH_SIZE rows; a row takes the next document when its own is done. Each step scores
-    every row's next chunk, then takes TTT_GRAD_STEPS AdamW steps on the sum of each row's mean chunk NLL (a
-    document's last chunk is not trained on). Rows never interact and each has its own adapters and optimizer
-    state, so a document's score is what it would get alone. probe (tests): its "nll" and "lse" receive each target's
-    NLL and logsumexp (the normaliser: what the model knew before the target, updates included)."""
+    window's start, so a chunk's targets see exactly the context they have in the per-document sliding score.
+    Documents, longest first (every WORLD_SIZE-th on this rank), fill TTT_BATCH_SIZE rows; a row takes the next
+    document when its own is done. Each step scores every row's next chunk, then takes TTT_GRAD_STEPS AdamW steps
+    on the sum of each row's mean chunk NLL (a document's last chunk is not trained on). Rows never interact and
+    each has its own adapters and optimizer state, so a document's score is what it would get alone. probe
+    (tests): its "nll" and "lse" receive each target's NLL and logsumexp (the normaliser: what the model knew
+    before the target, updates included)."""
     T, C, R = cfg.eval_seq_len, cfg.ttt_chunk_size, cfg.ttt_batch_size
     starts = scorer.doc_starts(per_doc=True)  # an adapter learns one document: its windows are the document's own
     docs: list[list[tuple[int, int, int]]] = [[] for _ in starts]
