@@ -219,7 +219,7 @@ class Hyperparameters:
     ttt_grad_steps: int = 1  # lora: AdamW steps on each chunk after it is scored (0 = score only); 2 at lr 1e-4: -0.0063 vs -0.0055, twice the time
     # 64 = EVAL_STRIDE: each later window is one chunk (the records' 48 splits it: proxy val, 105M row tokens vs 54M)
     ttt_chunk_size: int = 64  # lora: targets per chunk of a document (scored, then trained on)
-    ttt_batch_size: int = 64  # lora: rows (documents in flight) per rank; a finished document's row takes the next
+    ttt_batch_size: int = 64  # lora: documents per lockstep batch (rows of a step) on each rank
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> tuple["Hyperparameters", list[str]]:
@@ -1164,11 +1164,11 @@ class Block(nn.Module):
 
 
 class DocLoRA(nn.Module):
-    """TTT_MODE=lora's adapters (the 04-10..04-27 records' LoRA TTT). Row b holds one document at a time: rank-r pairs
-    (A: r x in, B: out x r) on q, k, v, o and the MLP of every layer and on the head, each adding ALPHA/r * B A x (x:
-    the block's normed input, or the final hidden state). reset(rows) starts documents there: B = 0 (the model as it
-    was), A one fixed U(+-1/sqrt(in)) draw, no optimizer state; adamw_step steps each row with its own count. So a
-    document's result depends on its own tokens only, whichever row and step it lands in."""
+    """TTT_MODE=lora's adapters (the 04-10..04-27 records' LoRA TTT). Row b holds one document of a batch: rank-r
+    pairs (A: r x in, B: out x r) on q, k, v, o and the MLP of every layer and on the head, each adding ALPHA/r * B A x
+    (x: the block's normed input, or the final hidden state). reset() starts a batch: B = 0 (the model as it was), A
+    one fixed U(+-1/sqrt(in)) draw in every row. A call's rows are the first rows of the adapters (the documents still
+    going), so a document's result depends on its own tokens only, whichever row it lands in."""
 
     def __init__(self, cfg: Hyperparameters, rows: int, device: torch.device):
         super().__init__()
@@ -1180,33 +1180,18 @@ class DocLoRA(nn.Module):
         self.B = nn.ParameterList(torch.empty(rows, outs.get(n, cfg.vocab_size), r, device=device) for n, _ in keys)
         g = torch.Generator().manual_seed(0)
         self.A0 = [((torch.rand(r, D, generator=g) * 2 - 1) * D ** -0.5).to(device) for _ in keys]
-        self.v = [torch.zeros_like(p) for p in self.parameters()]  # AdamW's second moments (beta1 = 0: no first)
-        self.steps = torch.zeros(rows, device=device)
         self.scale = cfg.ttt_lora_alpha / r
-        self.reset(torch.ones(rows, dtype=torch.bool, device=device))
+        self.reset()
 
     @torch.no_grad()
-    def reset(self, rows_R: Tensor) -> None:
+    def reset(self) -> None:
         for a, b, a0 in zip(self.A, self.B, self.A0):
-            a[rows_R], b[rows_R] = a0, 0.0
-        for v in self.v:
-            v[rows_R] = 0.0
-        self.steps[rows_R] = 0.0
-
-    @torch.no_grad()
-    def adamw_step(self, rows_R: Tensor, lr: float, weight_decay: float, beta2: float = 0.99, eps: float = 1e-10) -> None:
-        """torch.optim.AdamW(betas=(0, beta2)) on the rows rows_R, each row with its own step count; the other
-        rows (finished documents, last chunks, padding) are left exactly as they are."""
-        self.steps += rows_R
-        bc2_sqrt = (1 - beta2 ** self.steps).clamp(min=1e-30).sqrt()
-        for p, v in zip(self.parameters(), self.v):
-            m, g = rows_R.view(-1, *(1,) * (p.dim() - 1)), p.grad
-            v.copy_(torch.where(m, beta2 * v + (1 - beta2) * g * g, v))
-            p.copy_(torch.where(m, p * (1 - lr * weight_decay) - lr * g / (v.sqrt() / bc2_sqrt.view_as(m) + eps), p))
+            a.copy_(a0.expand_as(a))
+            b.zero_()
 
     def delta(self, name: str, i: int, x_BTI: Tensor) -> Tensor:
-        j = self.index[name, i]
-        return (x_BTI @ self.A[j].mT.to(x_BTI.dtype)) @ (self.scale * self.B[j].mT).to(x_BTI.dtype)
+        j, B = self.index[name, i], x_BTI.size(0)
+        return (x_BTI @ self.A[j][:B].mT.to(x_BTI.dtype)) @ (self.scale * self.B[j][:B].mT).to(x_BTI.dtype)
 
 
 class GPT(nn.Module):
@@ -1975,12 +1960,12 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log:
     """TTT_MODE=lora, score-first per document (FRONTIER 2.2). The scorer's per-document sliding windows (those
     of DOC_ISOLATION, whatever it is) are cut into chunks of TTT_CHUNK_SIZE scored targets, each keeping its
     window's start, so a chunk's targets see exactly the context they have in the per-document sliding score.
-    Documents, longest first (every WORLD_SIZE-th on this rank), fill TTT_BATCH_SIZE rows; a row takes the next
-    document when its own is done. Each step scores every row's next chunk, then takes TTT_GRAD_STEPS AdamW steps
-    on the sum of each row's mean chunk NLL (a document's last chunk is not trained on). Rows never interact and
-    each has its own adapters and optimizer state, so a document's score is what it would get alone. probe
-    (tests): its "nll" and "lse" receive each target's NLL and logsumexp (the normaliser: what the model knew
-    before the target, updates included)."""
+    Documents, longest first (every WORLD_SIZE-th on this rank), run in lockstep batches of TTT_BATCH_SIZE (the
+    records' scheduler): step c scores chunk c of every document still going, then takes TTT_GRAD_STEPS AdamW steps
+    on the sum of each row's mean chunk NLL (a document's last chunk is not trained on). Adapters and AdamW restart
+    with each batch, whose documents all start together and step together, so a document's score is what it would
+    get alone. probe (tests): its "nll" and "lse" receive each target's NLL and logsumexp (the normaliser: what the
+    model knew before the target, updates included)."""
     T, C, R = cfg.eval_seq_len, cfg.ttt_chunk_size, cfg.ttt_batch_size
     starts = scorer.doc_starts(per_doc=True)  # an adapter learns one document: its windows are the document's own
     docs: list[list[tuple[int, int, int]]] = [[] for _ in starts]
@@ -1992,48 +1977,55 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log:
     with frozen_weights(model):  # gradients reach the adapters only
         fn = compiled(functools.partial(model.logits, one_doc=True), rt)  # a row holds one document's window
         t0 = now_ms(rt.device)
-        if rt.compile_enabled:  # forward and backward compiled before the timer (full-length rows: one shape)
+        if rt.compile_enabled:  # forward and backward compiled before the timer: one graph for every rows x length
+            x = torch.zeros(R, T, dtype=torch.int64, device=rt.device)
+            for dim in (0, 1):
+                torch._dynamo.maybe_mark_dynamic(x, dim)
             with autocast(rt.device):
-                fn(torch.zeros(R, T, dtype=torch.int64, device=rt.device), lora).float().sum().backward()
+                fn(x, lora).float().sum().backward()
             lora.zero_grad(set_to_none=True)
         compile_ms = now_ms(rt.device) - t0
         if rt.is_main:
             log(f"ttt_lora documents:{len(docs)} chunks:{sum(map(len, docs))} rank0_documents:{len(queue)} "
                 f"rows:{R} compile_time:{compile_ms:.0f}ms")
         sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
-        row_doc, pos, taken, done, logged = [None] * R, [0] * R, 0, 0, 0  # a row's document (its chunks), next chunk
         t0 = now_ms(rt.device)
-        while True:
-            fresh = [r for r in range(R) if row_doc[r] is None or pos[r] == len(row_doc[r])]
-            for r in fresh:
-                done += row_doc[r] is not None
-                row_doc[r], pos[r], taken = (queue[taken], 0, taken + 1) if taken < len(queue) else (None, 0, taken)
-            if rt.is_main and done * 8 // max(len(queue), 1) > logged:
-                logged = done * 8 // len(queue)
-                log(f"ttt_lora_docs:{done}/{len(queue)} rank0_bpb_so_far:{loss_and_bpb(sums.tolist())[1]:.4f} "
-                    f"time:{now_ms(rt.device) - t0:.0f}ms")
-            if all(d is None for d in row_doc):
-                break
-            lora.reset(torch.tensor([r in fresh for r in range(R)], device=rt.device))
-            w = torch.tensor([d[p] if d else (0, 0, 0) for d, p in zip(row_doc, pos)], device=rt.device)
-            train = torch.tensor([d is not None and p < len(d) - 1 for d, p in zip(row_doc, pos)], device=rt.device)
-            x, y, mask = scorer.rows(w[:, 0], w[:, 1] - w[:, 0], w[:, 2] - w[:, 0], T)
-            for epoch in range(max(cfg.ttt_grad_steps, 1)):
-                with autocast(rt.device):
-                    logits = fn(x, lora)
-                nll = cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none").view(R, T)
-                if epoch == 0:  # the score: before any step that sees these targets
-                    sums += scorer.sums(nll.detach(), x, y, mask)
-                    if probe is not None:
-                        at = (w[:, :1] + torch.arange(T, device=rt.device))[mask]
-                        probe["nll"][at] = nll.detach()[mask].double()
-                        probe["lse"][at] = logits.detach().float().logsumexp(-1)[mask].double()
-                if cfg.ttt_grad_steps == 0 or not train.any():
-                    break
-                ((nll * mask).sum(1) / mask.sum(1).clamp(min=1) * train).sum().backward()
-                lora.adamw_step(train, cfg.ttt_lora_lr, cfg.ttt_weight_decay)
-                lora.zero_grad(set_to_none=True)
-            pos = [p + (d is not None) for d, p in zip(row_doc, pos)]
+        for k, b0 in enumerate(range(0, len(queue), R)):
+            batch = queue[b0: b0 + R]
+            plan = torch.zeros(len(batch[0]), R, 4, dtype=torch.int64)  # step c's rows: window, trained; one copy
+            for r, d in enumerate(batch):
+                plan[:len(d), r, :3] = torch.tensor(d)
+                plan[:len(d) - 1, r, 3] = 1  # the last chunk is not trained on
+            plan = plan.to(rt.device)
+            lora.reset()
+            opt = torch.optim.AdamW(lora.parameters(), lr=cfg.ttt_lora_lr, betas=(0.0, 0.99), eps=1e-10,
+                                    weight_decay=cfg.ttt_weight_decay, fused=rt.device.type == "cuda")
+            for c in range(len(batch[0])):
+                going = [d[c] for d in batch if c < len(d)]  # the batch's first rows: it is sorted by length
+                # rows rounded up to 8 and as long as the longest window needs (a power of two, from T/16): a step
+                # near the end of a batch, or of short documents, costs what it holds; causal attention keeps it exact
+                n = min(R, -(-len(going) // 8) * 8)
+                length = min(T, max(T // 16, 1 << (max(hi - s for s, _, hi in going) - 1).bit_length()))
+                w = plan[c, :n]
+                x, y, mask = scorer.rows(w[:, 0], w[:, 1] - w[:, 0], w[:, 2] - w[:, 0], length)
+                for step in range(max(cfg.ttt_grad_steps, 1)):
+                    with autocast(rt.device):
+                        logits = fn(x, lora)
+                    nll = cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none").view(n, length)
+                    if step == 0:  # the score: before any step that sees these targets
+                        sums += scorer.sums(nll.detach(), x, y, mask)
+                        if probe is not None:
+                            at = (w[:, :1] + torch.arange(length, device=rt.device))[mask]
+                            probe["nll"][at] = nll.detach()[mask].double()
+                            probe["lse"][at] = logits.detach().float().logsumexp(-1)[mask].double()
+                    if cfg.ttt_grad_steps == 0 or c == len(batch[0]) - 1:  # the last step trains no row
+                        break
+                    ((nll * mask).sum(1) * w[:, 3] / mask.sum(1).clamp(min=1)).sum().backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            if rt.is_main and (k + 1) % max(1, len(queue) // R // 8) == 0:
+                log(f"ttt_lora_docs:{b0 + len(batch)}/{len(queue)} rank0_bpb_so_far:"
+                    f"{loss_and_bpb(sums.tolist())[1]:.4f} time:{now_ms(rt.device) - t0:.0f}ms")
     all_reduce_sum_(sums)
     return make_score(sums, now_ms(rt.device) - t0, compile_ms)
 

@@ -72,40 +72,9 @@ def test_fresh_adapter_is_the_identity_and_the_head_adapter_adds_BAh():
         want = tg.softcap(torch.nn.functional.linear(h, model.tok_emb.weight) + torch.stack(by_hand), cfg.logit_softcap)
         torch.testing.assert_close(model.logits(x, lora), want, rtol=1e-5, atol=1e-5)
         for name in ("attn.q", "attn.v", "attn.o", "mlp"):  # every other adapter reaches the logits too
-            lora.reset(torch.ones(2, dtype=torch.bool))
+            lora.reset()
             lora.B[lora.index[name, 1]].normal_()
             assert not torch.allclose(model.logits(x, lora), model.logits(x)), name
-
-
-def test_adamw_step_is_torch_adamw_per_row_with_its_own_step_count():
-    """DocLoRA.adamw_step against torch.optim.AdamW(betas=(0, 0.99), eps=1e-10), one optimizer per row, stepped
-    only when that row is selected; a reset row starts over (new A0/B = 0 draw, fresh optimizer)."""
-    cfg = lora_cfg()
-    lora = tg.DocLoRA(cfg, 3, torch.device("cpu"))
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in lora.parameters():
-            p.add_(torch.randn(p.shape, generator=g))
-    ref = [[p[r].detach().clone().requires_grad_() for p in lora.parameters()] for r in range(3)]
-    opts = [torch.optim.AdamW(ps, lr=0.01, betas=(0.0, 0.99), eps=1e-10, weight_decay=0.5) for ps in ref]
-    plan = [[1, 0, 1], [1, 1, 0], [0, 1, 1], ["reset", 0, 0], [1, 1, 1], [1, 0, 1]]
-    for step in plan:
-        if step[0] == "reset":
-            lora.reset(torch.tensor([True, False, False]))
-            ref[0] = [p[0].detach().clone().requires_grad_() for p in lora.parameters()]
-            opts[0] = torch.optim.AdamW(ref[0], lr=0.01, betas=(0.0, 0.99), eps=1e-10, weight_decay=0.5)
-            continue
-        for p in lora.parameters():
-            p.grad = torch.randn(p.shape, generator=g)
-        for r in range(3):
-            if step[r]:
-                for q, p in zip(ref[r], lora.parameters()):
-                    q.grad = p.grad[r].clone()
-                opts[r].step()
-        lora.adamw_step(torch.tensor([bool(s) for s in step]), 0.01, 0.5)
-        for r in range(3):
-            for q, p in zip(ref[r], lora.parameters()):
-                torch.testing.assert_close(p[r], q.detach(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("n, chunk, stride", [(270, 5, 8), (200, 48, 32), (151, 1, 3)])
@@ -148,12 +117,15 @@ def test_the_target_after_a_chunk_is_not_trained_on_before_it_is_scored():
     so the NLL test above cannot see an update that reaches one target past its chunk; the normaliser can.)"""
     cfg, a = lora_cfg(), make_stream(270)
     (_, _, lse_a), picked = lora_run(cfg, a, lse=True), [t + 1 for t in chunk_starts(cfg, a)][1::7]
-    assert len(picked) >= 4, picked
+    assert len(picked) >= 4 and set(picked) & set(BOS_AT), picked
     for p in picked:
         b = a.clone()
         b[p] = 2 + (a[p] - 1) % (V - 2)
         lse_b = lora_run(cfg, b, lse=True)[2]
-        assert torch.equal(lse_a[:p], lse_b[:p]), p
+        if p in BOS_AT:  # documents merge: the lockstep batches' rows and lengths change, so float noise only
+            torch.testing.assert_close(lse_a[:p], lse_b[:p], rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(lse_a[:p], lse_b[:p]), p
         assert not torch.equal(lse_a[p:], lse_b[p:]), p  # later normalisers move: the update saw p
 
 
