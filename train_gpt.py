@@ -475,7 +475,8 @@ def configure_inductor() -> None:
 
 
 def compiled(fn, rt: Runtime):
-    """The one way this file compiles: whole graphs of fixed shapes (one compile per shape)."""
+    """The one way this file compiles: whole graphs of fixed shapes (one compile per shape), except the dimensions
+    a caller marks dynamic (lora TTT's rows and lengths: one graph for all)."""
     return torch.compile(fn, dynamic=False, fullgraph=True) if rt.compile_enabled else fn
 
 
@@ -1996,16 +1997,18 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log:
             for r, d in enumerate(batch):
                 plan[:len(d), r, :3] = torch.tensor(d)
                 plan[:len(d) - 1, r, 3] = 1  # the last chunk is not trained on
-            plan = plan.to(rt.device)
+            if rt.device.type == "cuda":  # pinned, so the copy does not wait for the GPU to drain
+                plan = plan.pin_memory().to(rt.device, non_blocking=True)
             lora.reset()
             opt = torch.optim.AdamW(lora.parameters(), lr=cfg.ttt_lora_lr, betas=(0.0, 0.99), eps=1e-10,
                                     weight_decay=cfg.ttt_weight_decay, fused=rt.device.type == "cuda")
             for c in range(len(batch[0])):
                 going = [d[c] for d in batch if c < len(d)]  # the batch's first rows: it is sorted by length
-                # rows rounded up to 8 and as long as the longest window needs (a power of two, from T/16): a step
-                # near the end of a batch, or of short documents, costs what it holds; causal attention keeps it exact
+                # rows rounded up to 8 and as long as the longest window needs (a power of two from max(T/16, 8), at
+                # most T; below 8 dynamo would specialise): a step near the end of a batch, or of short documents, costs
+                # what it holds; causal attention keeps it exact
                 n = min(R, -(-len(going) // 8) * 8)
-                length = min(T, max(T // 16, 1 << (max(hi - s for s, _, hi in going) - 1).bit_length()))
+                length = min(T, max(T // 16, 8, 1 << (max(hi - s for s, _, hi in going) - 1).bit_length()))
                 w = plan[c, :n]
                 x, y, mask = scorer.rows(w[:, 0], w[:, 1] - w[:, 0], w[:, 2] - w[:, 0], length)
                 for step in range(max(cfg.ttt_grad_steps, 1)):

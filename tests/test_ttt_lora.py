@@ -88,11 +88,11 @@ def test_epochs_zero_equals_the_isolated_sliding_score(n, chunk, stride):
     assert score.loss == pytest.approx(plain.loss, rel=1e-6) and score.bpb == pytest.approx(plain.bpb, rel=1e-6)
 
 
-@pytest.mark.parametrize("p", [20, 61, 100, 131, 200])
-def test_changing_token_p_changes_no_score_before_it(p):
+@pytest.mark.parametrize("p, steps", [(20, 1), (61, 2), (100, 1), (131, 2), (200, 1)])
+def test_changing_token_p_changes_no_score_before_it(p, steps):
     """Token p is the target of position p - 1: every target before that keeps its score exactly, although
-    the adapters train on p's chunk (and later scores move)."""
-    cfg = lora_cfg()
+    the adapters train on p's chunk (and later scores move); with one AdamW step per chunk or two."""
+    cfg = lora_cfg(ttt_grad_steps=steps)
     a = make_stream(270)
     b = a.clone()
     b[p] = 2 + (a[p] - 1) % (V - 2)  # another non-BOS token
@@ -111,11 +111,12 @@ def chunk_starts(cfg, tokens) -> list[int]:
                   for a in range(lo, hi, cfg.ttt_chunk_size) if a not in starts)
 
 
-def test_the_target_after_a_chunk_is_not_trained_on_before_it_is_scored():
+@pytest.mark.parametrize("steps", [1, 2])
+def test_the_target_after_a_chunk_is_not_trained_on_before_it_is_scored(steps):
     """Condition C3 at the chunk edge: the normaliser (logsumexp) of every target up to p - 1 does not depend on
     token p, p - 1 included, where p - 1 opens a chunk after an update. (The NLL of p - 1 depends on p anyway,
     so the NLL test above cannot see an update that reaches one target past its chunk; the normaliser can.)"""
-    cfg, a = lora_cfg(), make_stream(270)
+    cfg, a = lora_cfg(ttt_grad_steps=steps), make_stream(270)
     (_, _, lse_a), picked = lora_run(cfg, a, lse=True), [t + 1 for t in chunk_starts(cfg, a)][1::7]
     assert len(picked) >= 4 and set(picked) & set(BOS_AT), picked
     for p in picked:
@@ -129,8 +130,9 @@ def test_the_target_after_a_chunk_is_not_trained_on_before_it_is_scored():
         assert not torch.equal(lse_a[p:], lse_b[p:]), p  # later normalisers move: the update saw p
 
 
-@pytest.mark.parametrize("batch", [1, 2, 9])
+@pytest.mark.parametrize("batch", [1, 2, 9, 16])
 def test_each_document_scores_as_if_alone(batch):
+    """9 documents in lockstep batches: 9 and 16 cut steps to the first 8 rows; 16 also runs padding rows."""
     cfg = lora_cfg(ttt_batch_size=batch, ttt_grad_steps=2)
     tokens = make_stream(270)
     _, together = lora_run(cfg, tokens)
@@ -138,6 +140,22 @@ def test_each_document_scores_as_if_alone(batch):
     for s, e in zip(bounds, bounds[1:]):  # targets s..e-1: the stream up to token e
         _, alone = lora_run(cfg, tokens[s: e + 1])
         torch.testing.assert_close(together[s:e], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_one_compiled_graph_serves_every_rows_and_length(monkeypatch):
+    """Compiled (aot_eager here), lora TTT's steps of 8 or 16 rows and 8 to 32 tokens all run one graph, made before
+    the loop, and score what the uncompiled run scores."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    counter = CompileCounterWithBackend("aot_eager")
+    cfg, tokens = lora_cfg(ttt_batch_size=16), make_stream(270)
+    plain = lora_run(cfg, tokens)[0]
+    monkeypatch.setattr(tg, "compiled", lambda fn, rt: torch.compile(fn, backend=counter, dynamic=False, fullgraph=True))
+    scorer = make_scorer(cfg, tokens, make_luts())
+    rt = dataclasses.replace(scorer.rt, compile_enabled=True)
+    torch._dynamo.reset()
+    score = tg.lora_ttt(cfg, rt, model_for(cfg), scorer, tg.Logger("x", enabled=False))
+    assert counter.frame_count == 1
+    assert score.loss == pytest.approx(plain.loss, rel=1e-5)
 
 
 def _lora_on_rank(rank: int, world_size: int, tokens: list[int]):
