@@ -1190,9 +1190,12 @@ class DocLoRA(nn.Module):
             a.copy_(a0.expand_as(a))
             b.zero_()
 
-    def delta(self, name: str, i: int, x_BTI: Tensor) -> Tensor:
-        j, B = self.index[name, i], x_BTI.size(0)
-        return (x_BTI @ self.A[j][:B].mT.to(x_BTI.dtype)) @ (self.scale * self.B[j][:B].mT).to(x_BTI.dtype)
+    def deltas(self, names: tuple[str, ...], i: int, x_BTI: Tensor) -> list[Tensor]:
+        """The adapters `names` of layer i, which all read x: their A rows stacked, so one bmm projects x down (q, k,
+        v and o at once: on one H100 the proxy's lora loop 34.4 -> 30.9 s, its compile 126 -> 106 s)."""
+        js, B = [self.index[name, i] for name in names], x_BTI.size(0)
+        z = x_BTI @ torch.cat([self.A[j][:B] for j in js], 1).mT.to(x_BTI.dtype)
+        return [zj @ (self.scale * self.B[j][:B].mT).to(x_BTI.dtype) for zj, j in zip(z.chunk(len(js), -1), js)]
 
 
 class GPT(nn.Module):
@@ -1307,7 +1310,8 @@ class GPT(nn.Module):
             qkv = F.linear(h, torch.cat((w["attn.q"], w["attn.k"], w["attn.v"])))
             q, k, v = qkv.split((H * hd, K * hd, K * hd), dim=-1)
             if lora is not None:
-                q, k, v = (t + lora.delta(n, i, h) for t, n in ((q, "attn.q"), (k, "attn.k"), (v, "attn.v")))
+                dq, dk, dv, do = lora.deltas(("attn.q", "attn.k", "attn.v", "attn.o"), i, h)
+                q, k, v = q + dq, k + dk, v + dv
             if i in cfg.ve_layer_list:
                 v = v + ve_BTK * self.ve_layer_scales[cfg.ve_layer_list.index(i)].to(v.dtype)
             v = v.view(B, T, K, hd)
@@ -1321,14 +1325,14 @@ class GPT(nn.Module):
                 g = 2 * torch.sigmoid(z) if cfg.attn_out_gate_enabled else torch.sigmoid(cfg.sparse_attn_gate_scale * z)
                 y = y * g[..., None]
             y = F.linear(self.observe(("attn.o",), i, y.reshape(B, T, H * hd)), w["attn.o"])
-            return blk.attn_scale.to(x.dtype) * (y if lora is None else y + lora.delta("attn.o", i, h))
+            return blk.attn_scale.to(x.dtype) * (y if lora is None else y + do)
 
         def mlp(i: int, x: Tensor) -> Tensor:
             h = self.observe(("mlp.up",), i, rms_norm(x) * lns[i])
             u = F.linear(h, layer_matrix(banks, "mlp.up", i, L))
             u = F.leaky_relu(u, cfg.mlp_negative_slope) if cfg.mlp_negative_slope > 0 else F.relu(u)
             u = F.linear(self.observe(("mlp.down",), i, u.square()), layer_matrix(banks, "mlp.down", i, L))
-            return self.blocks[i].mlp_scale.to(x.dtype) * (u if lora is None else u + lora.delta("mlp", i, h))
+            return self.blocks[i].mlp_scale.to(x.dtype) * (u if lora is None else u + lora.deltas(("mlp",), i, h)[0])
 
         order, parallel, P = layer_order(cfg, self.looping), parallel_positions(cfg, self.looping), cfg.parallel_start
         n_enc, lanes = len(order) // 2, None  # lanes: (attention's, MLP's) from the first parallel layer on
@@ -1371,7 +1375,7 @@ class GPT(nn.Module):
     def raw_logits(self, ids_BT: Tensor, lora: DocLoRA | None = None, one_doc: bool = False) -> Tensor:
         h = self.hidden(ids_BT, lora, one_doc)
         z = F.linear(h, self.tok_emb.weight if self.cfg.tie_embeddings else self.lm_head.weight)
-        return z if lora is None else z + lora.delta("head", 0, h)
+        return z if lora is None else z + lora.deltas(("head",), 0, h)[0]
 
     def logits(self, ids_BT: Tensor, lora: DocLoRA | None = None, one_doc: bool = False) -> Tensor:
         return softcap(self.raw_logits(ids_BT, lora, one_doc), self.cfg.logit_softcap)

@@ -77,6 +77,25 @@ def test_fresh_adapter_is_the_identity_and_the_head_adapter_adds_BAh():
             assert not torch.allclose(model.logits(x, lora), model.logits(x)), name
 
 
+@pytest.mark.parametrize("name", ["attn.q", "attn.k", "attn.v"])
+def test_a_q_k_or_v_adapter_is_its_weight_plus_scaled_BA(name):
+    """For one row, the q, k or v adapter of layer 1 is the same model with that matrix + ALPHA/r * B A: an
+    independent reference for the stacked down-projection (DocLoRA.deltas), whose outputs must go to the right
+    projection. The other adapters keep B = 0."""
+    import copy
+    cfg = lora_cfg()
+    model, x = model_for(cfg), make_stream(32).view(1, 32)
+    lora = tg.DocLoRA(cfg, 1, torch.device("cpu"))
+    j = lora.index[name, 1]
+    with torch.no_grad():
+        lora.B[j].normal_()
+        ref = copy.deepcopy(model)
+        banks = {bank: getattr(ref, bank) for bank in tg.BANKS}
+        tg.layer_matrix(banks, name, 1, cfg.num_layers).add_(lora.B[j][0] @ lora.A[j][0] * (cfg.ttt_lora_alpha / cfg.ttt_lora_rank))
+        torch.testing.assert_close(model.logits(x, lora), ref.logits(x), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(model.logits(x, lora), model.logits(x))
+
+
 @pytest.mark.parametrize("n, chunk, stride", [(270, 5, 8), (200, 48, 32), (151, 1, 3)])
 def test_epochs_zero_equals_the_isolated_sliding_score(n, chunk, stride):
     cfg = lora_cfg(ttt_grad_steps=0, ttt_chunk_size=chunk, eval_stride=stride)
