@@ -18,6 +18,7 @@ import copy
 import functools
 import difflib
 import glob
+import hashlib
 import io
 import json
 import lzma
@@ -2546,6 +2547,9 @@ def shipped_code(source: str) -> bytes:
 # =============================================================================================
 
 CHECKPOINT_MAGIC = "pgolf-checkpoint-1"
+# a step starts only if the clock plus CAP_MARGIN x the slowest of the last 10 steps fits the cap: a step up to 1.5x
+# slower than those (a loaded host) still ends in time; costs about half a step (0.05% of a 600 s record run)
+CAP_MARGIN = 1.5
 PROGRESS_EVERY_S = 10.0  # a progress line (no loss: no host sync) when no step line came for this long
 
 
@@ -2744,7 +2748,7 @@ class Trainer:
                         recent_ms.append(t_iter - t_prev)
                     t_prev = t_iter
                     # all ranks agree on the clock, so on stopping, lr scale, the QAT switch and checkpoints
-                    elapsed, predicted, stop = all_reduce_max([train_ms + t_iter - t0, train_ms + t_iter - t0 + (
+                    elapsed, predicted, stop = all_reduce_max([train_ms + t_iter - t0, train_ms + t_iter - t0 + CAP_MARGIN * (
                         max(recent_ms[-10:]) if recent_ms else 0.0), float(self.signal)], rt.device)
                     if cap_ms > 0 and predicted > cap_ms:
                         log(f"stopping_early: wallclock_cap train_time:{elapsed:.0f}ms step:{step}/{cfg.iterations}")
@@ -2792,6 +2796,8 @@ class Trainer:
             for s, handler in handlers.items():
                 signal.signal(s, handler)
         train_ms += now_ms(rt.device) - t0
+        if 0 < cap_ms < train_ms:
+            log(f"warning wallclock_overrun train_time:{train_ms:.0f}ms cap:{cap_ms:.0f}ms over_by:{train_ms - cap_ms:.0f}ms")
         self.check_finite(first_bad)
         stopped = int(all_reduce_max(float(self.signal), rt.device))  # one that came in the last step counts too
         if stopped or cfg.checkpoint_every > 0:  # done: RESUME=it exports and scores again, with no training
@@ -2927,6 +2933,7 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     if not Path(cfg.tokenizer_path).is_file():
         raise FileNotFoundError(f"TOKENIZER_PATH {cfg.tokenizer_path} does not exist: {GET_DATA}")
     sp = spm.SentencePieceProcessor(model_file=cfg.tokenizer_path)
+    log(f"tokenizer path:{cfg.tokenizer_path} sha256:{hashlib.sha256(Path(cfg.tokenizer_path).read_bytes()).hexdigest()}")
     if (cfg.smear_bos_fix or cfg.doc_isolation) and sp.bos_id() != BOS_ID:
         raise ValueError(f"SMEAR_BOS_FIX=1 and DOC_ISOLATION=1 find documents by BOS id {BOS_ID}; "
                          f"TOKENIZER_PATH's is {sp.bos_id()}")
@@ -2935,7 +2942,8 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     val_tokens = torch.from_numpy(np.concatenate([np.asarray(open_shard(f, cfg.vocab_size)) for f in val_files])
                                   .astype(np.int64))
     scorer = Scorer(cfg, rt, val_tokens, luts)
-    log(f"val_tokens:{val_tokens.numel()} scored_targets:{val_tokens.numel() - 1} eval_batch_seqs:{scorer.batch_seqs}")
+    log(f"val_tokens:{val_tokens.numel()} val_docs:{int((val_tokens == BOS_ID).sum())} "
+        f"scored_targets:{val_tokens.numel() - 1} eval_batch_seqs:{scorer.batch_seqs}")
     sample = is_sample_shard(val_files[0])
     if sample:
         log("sample_data: the offline sample (data/make_sample.py): scores are not comparable to FineWeb scores")
