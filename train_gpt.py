@@ -70,6 +70,12 @@ TTT_MODE_SETTINGS = {"sgd": ("ttt_lr", "ttt_epochs", "ttt_chunk_tokens", "ttt_fr
                              "ttt_batch_seqs", "ttt_grad_clip"),
                      "lora": ("ttt_lora_rank", "ttt_lora_alpha", "ttt_lora_lr", "ttt_weight_decay", "ttt_grad_steps",
                               "ttt_chunk_size", "ttt_batch_size")}
+# The settings a feature reads only when it is on (setting one with the feature off is reported, not silently ignored).
+FEATURE_SETTINGS = {"ttt_enabled": ("ttt_mode",) + sum(TTT_MODE_SETTINGS.values(), ()),
+                    "num_loops": ("loop_start", "loop_end", "enable_looping_at"), "ema_enabled": ("ema_horizon", "ema_decay"),
+                    "gptq_calibration_batches": ("gptq_reserve_seconds",), "bigram_vocab_size": ("bigram_dim",),
+                    "ve_enabled": ("ve_dim", "ve_layers"), "sparse_attn_gate_enabled": ("sparse_attn_gate_scale",
+                                                                                       "sparse_attn_gate_init_std")}
 
 
 # Value ranges, checked before anything runs (a zero head count or a negative learning rate is a typo, not a run).
@@ -114,7 +120,7 @@ class Hyperparameters:
     iterations: int = 20000  # max optimizer steps
     warmup_steps: int = 20  # compile warmup steps, then weights/optimizer/data are restored
     warmdown_iters: int = 3500  # linear lr decay length, converted to wallclock when capped
-    max_wallclock_seconds: float = 600.0  # training cap (0 = iteration-based); never exceeded
+    max_wallclock_seconds: float = 600.0  # training cap (0 = iteration-based); a step starts only if CAP_MARGIN fits
     train_batch_tokens: int = 786432  # global tokens per optimizer step
     train_seq_len: int = 2048  # training sequence length (tokens)
     grad_accum_steps: int = 0  # 0 = max(1, 8 // WORLD_SIZE): same global batch for 1..8 GPUs
@@ -237,6 +243,8 @@ class Hyperparameters:
                 warnings.append(f"setting {key} is not supported by this script and is ignored")
             elif key.startswith(FOREIGN_PREFIXES) or key in ("RANK", "WORLD_SIZE"):
                 continue
+            elif key.upper() in by_env:
+                raise ValueError(f"setting {key}={raw!r} is not read: settings are upper case ({key.upper()})")
             elif key.split("_")[0] in heads or difflib.get_close_matches(key, list(by_env), n=1, cutoff=0.85):
                 close = difflib.get_close_matches(key, list(by_env), n=1, cutoff=0.0)
                 raise ValueError(f"unknown setting {key}={raw!r}; closest valid setting: {close[0]}")
@@ -245,7 +253,13 @@ class Hyperparameters:
         cfg.validate()
         for mode, names in TTT_MODE_SETTINGS.items():
             warnings += [f"setting {n.upper()} is TTT_MODE={mode}'s; TTT_MODE={cfg.ttt_mode} ignores it"
-                         for n in names if n in values and cfg.ttt_mode != mode]
+                         for n in names if n in values and cfg.ttt_enabled and cfg.ttt_mode != mode]
+        for on, names in FEATURE_SETTINGS.items():
+            warnings += [f"setting {n.upper()} is ignored: {on.upper()}={getattr(cfg, on)} turns its feature off"
+                         for n in names if n in values and not getattr(cfg, on)]
+        if cfg.max_wallclock_seconds == 0 and cfg.warmdown_iters > cfg.iterations:
+            warnings.append(f"WARMDOWN_ITERS={cfg.warmdown_iters} > ITERATIONS={cfg.iterations} (a step-capped run): "
+                            f"the lr starts at {cfg.iterations / cfg.warmdown_iters:.3f} of its peak")
         return cfg, warnings
 
     def validate(self) -> None:
@@ -261,8 +275,12 @@ class Hyperparameters:
         need(not (self.resume and self.eval_only), "RESUME and EVAL_ONLY exclude each other")
         need(self.vocab_size <= 65536, "VOCAB_SIZE must be <= 65536 (shards store uint16 token ids)")
         need(self.bigram_vocab_size != 1, "BIGRAM_VOCAB_SIZE must be 0 (off) or >= 2")
-        need(self.model_dim % self.num_heads == 0, "MODEL_DIM must divide by NUM_HEADS")
-        need(self.num_heads % self.num_kv_heads == 0, "NUM_HEADS must divide by NUM_KV_HEADS")
+        need(self.model_dim % self.num_heads == 0, f"MODEL_DIM={self.model_dim} must divide by NUM_HEADS={self.num_heads}")
+        need(self.num_heads % self.num_kv_heads == 0,
+             f"NUM_HEADS={self.num_heads} must divide by NUM_KV_HEADS={self.num_kv_heads}")
+        need(0 <= self.seed < 2 ** 32, f"SEED={self.seed} is out of range: numpy's seeds are 0..2^32-1")
+        need(round(self.mlp_mult * self.model_dim, 6) >= 1,
+             f"MLP_MULT={self.mlp_mult} x MODEL_DIM={self.model_dim} rounds to an MLP of 0 units")
         need(self.rope_dims % 2 == 0 and 0 <= self.rope_dims <= self.head_dim, "ROPE_DIMS: even, <= head dim")
         need(self.eval_stride <= self.eval_seq_len, "EVAL_STRIDE must be in 1..EVAL_SEQ_LEN")
         need(all(s.strip().removeprefix("-").isdigit() for s in self.ve_layers.split(",") if s.strip()),
@@ -284,6 +302,8 @@ class Hyperparameters:
         need(self.attn_gate_window <= self.model_dim, "GATE_WINDOW must be <= MODEL_DIM")
         need(not (self.doc_isolation and self.smear_enabled and not self.smear_bos_fix),
              "DOC_ISOLATION=1 needs SMEAR_BOS_FIX=1 (the SmearGate would carry the previous document into a BOS)")
+        need(self.late_qat_threshold <= 1, f"LATE_QAT_THRESHOLD={self.late_qat_threshold} is out of range: the lr "
+             "scale it compares with is at most 1")
         need(self.late_qat_threshold == 0 or self.min_lr < self.late_qat_threshold,
              "MIN_LR must be below LATE_QAT_THRESHOLD: late QAT starts when the lr scale falls under it")
         need(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
@@ -539,37 +559,71 @@ def now_ms(device: torch.device) -> float:
     return time.perf_counter() * 1000.0
 
 
-def claim_outputs(cfg: Hyperparameters) -> Hyperparameters:
-    """One run, one log: a RUN_ID whose logs/<RUN_ID>.txt exists gets the first free suffix (_2, _3, ...), and an empty
-    ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz. Every rank decides before the process group's rendezvous, so before
-    rank 0 creates the log: all agree. The output folders are checked now, not when a finished run writes into them."""
-    logs, run_id, n = Path("logs"), cfg.run_id, 1
-    logs.mkdir(exist_ok=True)
-    while (logs / f"{run_id}.txt").exists():
-        n += 1
-        run_id = f"{cfg.run_id}_{n}"
-    cfg = replace(cfg, run_id=run_id, artifact_path=cfg.artifact_path or str(logs / f"{run_id}.int6.ptz"))
-    for folder, what in ((logs, "the log folder"), (Path(cfg.artifact_path).parent, "ARTIFACT_PATH's folder")):
-        if not folder.is_dir():
-            raise FileNotFoundError(f"{what} {folder} does not exist: create it, or set another ARTIFACT_PATH")
-        if not os.access(folder, os.W_OK):
-            raise PermissionError(f"{what} {folder} is not writable")
-    return cfg
+def claim_outputs(cfg: Hyperparameters, rt: Runtime) -> Hyperparameters:
+    """One run, one log, no output overwritten: rank 0 creates logs/<RUN_ID>.txt exclusively (two runs started together
+    cannot both take it), the first free RUN_ID, RUN_ID_2, ... whose log, checkpoint and default artifact are all
+    absent, and tells the other ranks. An empty ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz; a given one that exists
+    or is named like a log or checkpoint is refused, as is a missing or read-only output folder (now, not when a
+    finished run writes into it)."""
+    def claim() -> Hyperparameters:
+        logs, artifact, n = Path("logs"), Path(cfg.artifact_path), 1
+        logs.mkdir(exist_ok=True)
+        for folder, what in ((logs, "the log folder"), (artifact.parent, "ARTIFACT_PATH's folder")):
+            if not folder.is_dir():
+                raise FileNotFoundError(f"{what} {folder} does not exist: create it, or set another ARTIFACT_PATH")
+            if not os.access(folder, os.W_OK):
+                raise PermissionError(f"{what} {folder} is not writable")
+        if cfg.artifact_path and not cfg.eval_only and (artifact.exists() or artifact.suffix in (".txt", ".ckpt")):
+            raise FileExistsError(f"ARTIFACT_PATH {artifact} " + ("exists: a run never overwrites a file (move it, or "
+                                  "set another path)" if artifact.exists() else "is named like a log or checkpoint"))
+        while True:
+            run_id = cfg.run_id if n == 1 else f"{cfg.run_id}_{n}"
+            n += 1
+            with contextlib.suppress(FileExistsError):
+                if not any((logs / f"{run_id}{ext}").exists() for ext in (".ckpt", ".int6.ptz")):
+                    os.close(os.open(logs / f"{run_id}.txt", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                    return replace(cfg, run_id=run_id, artifact_path=cfg.artifact_path or str(logs / f"{run_id}.int6.ptz"))
+    out: list = [None]
+    if rt.is_main:
+        try:
+            out[0] = claim()
+        except OSError as e:
+            out[0] = e
+    if _distributed():
+        dist.broadcast_object_list(out, src=0)
+    if isinstance(out[0], Exception):
+        raise out[0]
+    return out[0]
 
 
 class Logger:
     """Rank 0 only: `event key:value` lines to stdout and logs/<RUN_ID>.txt."""
 
     def __init__(self, run_id: str, enabled: bool):
-        self.enabled, self.path = enabled, Path("logs") / f"{run_id}.txt"  # claim_outputs made the folder
+        self.enabled, self.path = enabled, Path("logs") / f"{run_id}.txt"  # claim_outputs created it
 
     def __call__(self, msg: str, console: bool = True) -> None:
         if not self.enabled:
             return
         if console:
             print(msg, flush=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(msg + "\n")
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(msg + "\n")
+        except OSError as e:  # "[Errno 28] No space left on device" alone names no file
+            raise OSError(e.errno, f"{e.strerror} (writing {self.path})") from None
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM outside the training loop's own stop: in export, scoring or TTT, or a second signal."""
+
+    def __init__(self, signum: int, hint: str = ""):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}" + (f": {hint}" if hint else ""))
+        self.signum = signum
+
+
+def raise_interrupted(signum: int, _) -> None:
+    raise Interrupted(signum)
 
 
 # =============================================================================================
@@ -827,6 +881,24 @@ BOS_ID = 1  # every document of a shard starts with it: the challenge tokenizers
 DOC_BOUNDARY_TOKENS = 256  # varlen: room for a document per 256 tokens (FineWeb: about 85 in a 98K-token micro-batch)
 
 
+def tokenizer_sha256(path: str) -> str:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"TOKENIZER_PATH {path} does not exist: {GET_DATA}")
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def check_tokenizer(sp, tokens: np.ndarray, where: str, docs: int = 50) -> None:
+    """The tokenizer is the data's: at least 90% of the first `docs` documents decode and re-encode to their ids
+    (data/retokenize.py's check; FineWeb's sp1024 and SP8192 shards: all). Another tokenizer of the same vocabulary
+    size re-encoded none of the test data's (and scored 3.18 instead of 3.42 bpb on it)."""
+    starts = np.flatnonzero(np.asarray(tokens[:1 << 22]) == BOS_ID)[:docs + 1]
+    ids = [np.asarray(tokens[a + 1:b]).tolist() for a, b in zip(starts, starts[1:])]
+    exact = sum(a == b for a, b in zip(ids, sp.encode(sp.decode(ids))))
+    if exact < 0.9 * len(ids):
+        raise ValueError(f"TOKENIZER_PATH re-encodes only {exact} of the first {len(ids)} documents of {where} into "
+                         "their ids: it is not the tokenizer these shards were made with")
+
+
 class ShardError(ValueError):
     """A bad shard. Met mid-run (shards are range-checked when first opened), it stops training with a checkpoint."""
 
@@ -953,6 +1025,7 @@ class TrainLoader:
     def __init__(self, files: list[str], cfg: Hyperparameters, rt: Runtime):
         sampler = CoprimeSampler if cfg.train_sampling == "coprime" else SequentialSampler
         self.sampler = sampler(files, cfg.vocab_size, cfg.train_seq_len)
+        self.data = f"TRAIN_SAMPLING={cfg.train_sampling} over {len(files)} shards of {sum(map(shard_token_count, files))} tokens"
         self.rt, self.seq_len, self.seqs_per_step = rt, cfg.train_seq_len, cfg.train_batch_tokens // cfg.train_seq_len
         self.seqs_per_micro = self.seqs_per_step // (rt.world_size * rt.grad_accum)
         self.ahead = None  # (sampler state before it, x, y, copy-done event) of the prefetched step
@@ -1014,10 +1087,13 @@ class TrainLoader:
         return [(x[m * s:(m + 1) * s], y[m * s:(m + 1) * s]) for m in range(self.rt.grad_accum)]
 
     def state_dict(self) -> dict:
-        """Position of the next batch next_batch() will return."""
-        return copy.deepcopy(self.ahead[0] if isinstance(self.ahead, tuple) else self.sampler.state_dict())
+        """Position of the next batch next_batch() will return, and the data it is a position in."""
+        return dict(copy.deepcopy(self.ahead[0] if isinstance(self.ahead, tuple) else self.sampler.state_dict()),
+                    data=self.data)
 
     def load_state_dict(self, s: dict) -> None:
+        if s["data"] != self.data:
+            raise ValueError(f"the checkpoint's data position is in {s['data']}; this run reads {self.data}")
         self.ahead = None
         self.sampler.load_state_dict(copy.deepcopy(s))
 
@@ -2284,10 +2360,11 @@ def _nbytes(dtype: str, shape: list[int]) -> int:
     return math.prod(shape) * torch.empty((), dtype=_DTYPES[dtype]).element_size()
 
 
-def pack_tensors(tensors: dict[str, Tensor], cfg: Hyperparameters) -> bytes:
-    """Compact container: magic, u32 header length, JSON {"settings": the MODEL_SETTINGS, "tensors": [[name,
-    dtype, shape], ...]}, raw data."""
-    header = json.dumps({"settings": {n: getattr(cfg, n) for n in MODEL_SETTINGS}, "tensors":
+def pack_tensors(tensors: dict[str, Tensor], cfg: Hyperparameters, tokenizer_sha256: str = "") -> bytes:
+    """Compact container: magic, u32 header length, JSON {"settings": the MODEL_SETTINGS, "tokenizer_sha256": the
+    tokenizer the model was trained with, "tensors": [[name, dtype, shape], ...]}, raw data."""
+    header = json.dumps({"settings": {n: getattr(cfg, n) for n in MODEL_SETTINGS},
+                         "tokenizer_sha256": tokenizer_sha256, "tensors":
                          [[k, str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in tensors.items()]},
                         separators=(",", ":")).encode()
     body = b"".join(t.contiguous().numpy().tobytes() for t in tensors.values())
@@ -2295,7 +2372,7 @@ def pack_tensors(tensors: dict[str, Tensor], cfg: Hyperparameters) -> bytes:
 
 
 def unpack_tensors(buf: bytes) -> tuple[dict, dict[str, Tensor]]:
-    """(the settings the artifact's model was made with, its tensors)."""
+    """(its header: the settings the artifact's model was made with and its tokenizer's sha256, its tensors)."""
     if buf[:4] != PAYLOAD_MAGIC or len(buf) < 8:
         raise ValueError("artifact payload is corrupt (bad magic), or it was written by an older train_gpt.py")
     (hlen,) = struct.unpack("<I", buf[4:8])
@@ -2312,7 +2389,7 @@ def unpack_tensors(buf: bytes) -> tuple[dict, dict[str, Tensor]]:
         offset += n
     if offset != len(buf):
         raise ValueError(f"artifact payload has {len(buf) - offset} trailing bytes")
-    return header["settings"], out
+    return {k: v for k, v in header.items() if k != "tensors"}, out
 
 
 def _zstd():
@@ -2514,7 +2591,7 @@ def decompress(blob: bytes) -> bytes:
 
 
 def read_artifact(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
-    """(model settings, packed tensors) of an artifact file; dequantize_state makes a state_dict of them."""
+    """(header, packed tensors) of an artifact file (unpack_tensors); dequantize_state makes a state_dict of them."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"artifact {path} does not exist")
     return unpack_tensors(decompress(Path(path).read_bytes()))
@@ -2526,6 +2603,8 @@ def write_atomic(path: Path, data: bytes) -> None:
     try:
         tmp.write_bytes(data)
         os.replace(tmp, path)
+    except OSError as e:  # "[Errno 28] No space left on device" alone names no file
+        raise OSError(e.errno, f"{e.strerror} (writing {path}, {len(data)} bytes)") from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -2546,7 +2625,7 @@ def shipped_code(source: str) -> bytes:
 # Training: EMA, schedule, the step (CUDA graphs), the timed loop
 # =============================================================================================
 
-CHECKPOINT_MAGIC = "pgolf-checkpoint-1"
+CHECKPOINT_MAGIC = b"pgolf-checkpoint-2\n"  # then the sha256 of the payload (32 bytes), then torch.save's bytes
 # a step starts only if the clock plus CAP_MARGIN x the slowest of the last 10 steps fits the cap: a step up to 1.5x
 # slower than those (a loaded host) still ends in time; costs about half a step (0.05% of a 600 s record run)
 CAP_MARGIN = 1.5
@@ -2556,13 +2635,13 @@ PROGRESS_EVERY_S = 10.0  # a progress line (no loss: no host sync) when no step 
 def read_checkpoint(path: str) -> dict:
     if not Path(path).is_file():
         raise FileNotFoundError(f"RESUME {path} does not exist")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"RESUME {path} is not a readable checkpoint: {e}") from None
-    if not isinstance(ckpt, dict) or ckpt.get("magic") != CHECKPOINT_MAGIC:
-        raise ValueError(f"RESUME {path} is not a checkpoint of this script")
-    return ckpt
+    data, n = Path(path).read_bytes(), len(CHECKPOINT_MAGIC)
+    if not data.startswith(CHECKPOINT_MAGIC):
+        raise ValueError(f"RESUME {path} is an artifact: score it with EVAL_ONLY={path}" if data[:4] == ARTIFACT_MAGIC
+                         else f"RESUME {path} is not a checkpoint of this version of train_gpt.py")
+    if hashlib.sha256(data[n + 32:]).digest() != data[n:n + 32]:
+        raise ValueError(f"RESUME {path} is corrupt: its checksum does not match its {len(data) - n - 32} bytes")
+    return torch.load(io.BytesIO(data[n + 32:]), map_location="cpu", weights_only=True)
 
 
 class EMA:
@@ -2614,8 +2693,10 @@ class Trainer:
     """Owns model, optimizers and data for the training phases: warmup (then full restore), the timed
     loop with its wallclock cap, and the bookkeeping of losses."""
 
-    def __init__(self, cfg: Hyperparameters, rt: Runtime, model: GPT, loader: TrainLoader, log: Logger):
+    def __init__(self, cfg: Hyperparameters, rt: Runtime, model: GPT, loader: TrainLoader, log: Logger,
+                 tokenizer_sha256: str = ""):
         self.cfg, self.rt, self.model, self.loader, self.log = cfg, rt, model, loader, log
+        self.tokenizer_sha256 = tokenizer_sha256  # stored in checkpoints: RESUME checks it
         self.opt = Optimizers(model, cfg, rt)
         self.fwd = compiled(model, rt)
         self.graphed = self.opt.keep_grads = rt.cuda_graphs  # graphs accumulate into fixed .grad
@@ -2800,8 +2881,9 @@ class Trainer:
             log(f"warning wallclock_overrun train_time:{train_ms:.0f}ms cap:{cap_ms:.0f}ms over_by:{train_ms - cap_ms:.0f}ms")
         self.check_finite(first_bad)
         stopped = int(all_reduce_max(float(self.signal), rt.device))  # one that came in the last step counts too
-        if stopped or cfg.checkpoint_every > 0:  # done: RESUME=it exports and scores again, with no training
-            self.save_checkpoint(ema, clock(train_ms, done=not stopped))
+        # always: no trained model is lost to a failure or signal in export, scoring or TTT (RESUME=it exports and
+        # scores again, with no training); run() removes it at the end unless CHECKPOINT_EVERY keeps checkpoints
+        self.save_checkpoint(ema, clock(train_ms, done=not stopped))
         if stopped:
             log(f"interrupted by {signal.Signals(stopped).name} at step {step}: resume with RESUME={self.ckpt_path} "
                 "and the same settings")
@@ -2823,7 +2905,7 @@ class Trainer:
         (step, train_ms, progress, qat), RNG; warmup's snapshot and a checkpoint's content. Every rank takes part
         (the momentum gather). Holds references to live tensors."""
         cuda = self.rt.device.type == "cuda"
-        return dict(magic=CHECKPOINT_MAGIC, settings=asdict(self.cfg), model=self.model.state_dict(),
+        return dict(settings=asdict(self.cfg), tokenizer_sha256=self.tokenizer_sha256, model=self.model.state_dict(),
                     opt=self.opt.state_dict(), ema=ema.shadow if ema is not None else None,
                     loader=self.loader.state_dict(), rng=torch.get_rng_state(),
                     cuda_rng=torch.cuda.get_rng_state(self.rt.device) if cuda else None, clock=clock)
@@ -2848,7 +2930,7 @@ class Trainer:
         if self.rt.is_main:
             buf = io.BytesIO()
             torch.save(state, buf)
-            write_atomic(self.ckpt_path, buf.getvalue())
+            write_atomic(self.ckpt_path, CHECKPOINT_MAGIC + hashlib.sha256(buf.getvalue()).digest() + buf.getvalue())
             self.log(f"checkpoint step:{clock['step']} path:{self.ckpt_path} bytes:{buf.tell()} "
                      f"time:{now_ms(HOST) - t0:.0f}ms")
 
@@ -2897,24 +2979,37 @@ def main() -> int:
         warnings += more
     stored = read_artifact(cfg.eval_only) if cfg.eval_only else None
     if stored is not None:
-        cfg, _ = adopt_settings(cfg, stored[0], MODEL_SETTINGS, explicit, f"artifact {cfg.eval_only}")
+        cfg, _ = adopt_settings(cfg, stored[0]["settings"], MODEL_SETTINGS, explicit, f"artifact {cfg.eval_only}")
+    tokenizer = tokenizer_sha256(cfg.tokenizer_path)
+    for made, source in ((ckpt, f"checkpoint {cfg.resume}"), (stored and stored[0], f"artifact {cfg.eval_only}")):
+        if made and made.get("tokenizer_sha256") not in (None, "", tokenizer):  # None, "": files that predate the hash
+            raise ValueError(f"TOKENIZER_PATH {cfg.tokenizer_path} (sha256 {tokenizer}) is not the tokenizer {source} "
+                             f"was made with (sha256 {made['tokenizer_sha256']})")
     if cfg.auto_size > 0 and ckpt is None and stored is None:  # a resumed or scored model keeps its shapes
         cfg = fit_to_limit(cfg, explicit, len(shipped_code(code)))
-    claimed = claim_outputs(cfg)
-    if claimed.run_id != cfg.run_id:
-        warnings.append(f"logs/{cfg.run_id}.txt exists: this run is RUN_ID={claimed.run_id}")
-    cfg = claimed
     rt = init_runtime(cfg)
+    claimed = claim_outputs(cfg, rt)
+    if claimed.run_id != cfg.run_id:
+        warnings.append(f"RUN_ID {cfg.run_id} is taken in logs/: this run is RUN_ID={claimed.run_id}")
+    cfg = claimed
     log = Logger(cfg.run_id, rt.is_main)
+    for s in (signal.SIGINT, signal.SIGTERM):  # the training loop stops at a step's end on the first one
+        signal.signal(s, raise_interrupted)
     try:
-        return run(cfg, rt, log, code, warnings, ckpt, stored)
+        return run(cfg, rt, log, code, warnings, ckpt, stored, tokenizer)
     except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):  # say how to finish from what is on disk
+            artifact, ckpt_path = Path(cfg.eval_only or cfg.artifact_path), Path("logs") / f"{cfg.run_id}.ckpt"
+            e = Interrupted(getattr(e, "signum", signal.SIGINT), f"score the artifact with EVAL_ONLY={artifact}"
+                            if artifact.is_file() else f"finish with RESUME={ckpt_path} (the same settings)"
+                            if ckpt_path.is_file() else "no checkpoint was written, the training is lost"
+                            + (f" (RESUME={cfg.resume} starts it again)" if cfg.resume else ""))
         log(f"error {type(e).__name__}: {e}", console=False)
-        raise
+        raise e
 
 
 def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: list[str], ckpt: dict | None,
-        stored: tuple | None) -> int:
+        stored: tuple | None, tokenizer: str) -> int:
     t_start = time.perf_counter()
     log_header(log, cfg, rt, warnings, code)
     torch.manual_seed(cfg.seed)
@@ -2930,10 +3025,8 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
         log(f"predicted_size total:{predicted} limit:{SIZE_LIMIT_BYTES} headroom:{SIZE_LIMIT_BYTES - predicted}")
 
     import sentencepiece as spm
-    if not Path(cfg.tokenizer_path).is_file():
-        raise FileNotFoundError(f"TOKENIZER_PATH {cfg.tokenizer_path} does not exist: {GET_DATA}")
     sp = spm.SentencePieceProcessor(model_file=cfg.tokenizer_path)
-    log(f"tokenizer path:{cfg.tokenizer_path} sha256:{hashlib.sha256(Path(cfg.tokenizer_path).read_bytes()).hexdigest()}")
+    log(f"tokenizer path:{cfg.tokenizer_path} sha256:{tokenizer}")
     if (cfg.smear_bos_fix or cfg.doc_isolation) and sp.bos_id() != BOS_ID:
         raise ValueError(f"SMEAR_BOS_FIX=1 and DOC_ISOLATION=1 find documents by BOS id {BOS_ID}; "
                          f"TOKENIZER_PATH's is {sp.bos_id()}")
@@ -2941,6 +3034,7 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     val_files = shard_files(cfg.data_path, "val")
     val_tokens = torch.from_numpy(np.concatenate([np.asarray(open_shard(f, cfg.vocab_size)) for f in val_files])
                                   .astype(np.int64))
+    check_tokenizer(sp, val_tokens.numpy(), val_files[0])
     scorer = Scorer(cfg, rt, val_tokens, luts)
     log(f"val_tokens:{val_tokens.numel()} val_docs:{int((val_tokens == BOS_ID).sum())} "
         f"scored_targets:{val_tokens.numel() - 1} eval_batch_seqs:{scorer.batch_seqs}")
@@ -2957,10 +3051,11 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     train_ms = 0.0
     if not cfg.eval_only:
         files = shard_files(cfg.data_path, "train")
+        check_tokenizer(sp, open_shard(files[0], cfg.vocab_size), files[0])
         tokens = sum(shard_token_count(f) for f in files)  # token ranges are checked when a shard is opened
         log(f"train_data shards:{len(files)} tokens:{tokens} epochs_at_max_iterations:"
             f"{cfg.iterations * cfg.train_batch_tokens / max(tokens, 1):.2f} sampling:{cfg.train_sampling}")
-        trainer = Trainer(cfg, rt, model, TrainLoader(files, cfg, rt), log)
+        trainer = Trainer(cfg, rt, model, TrainLoader(files, cfg, rt), log, tokenizer)
         if ckpt is None or not ckpt["clock"].get("done"):  # a finished run's checkpoint trains no more
             trainer.warmup()
         ema = EMA(model, cfg.ema_horizon, cfg.ema_decay) if cfg.ema_enabled else None
@@ -2992,7 +3087,7 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
                 f"reserved:{1000 * cfg.gptq_reserve_seconds:.0f}ms")
         if rt.is_main:
             t0 = time.perf_counter()
-            blob, method = compress(pack_tensors(quantize_state(model.state_dict(), cfg, hessians), cfg),
+            blob, method = compress(pack_tensors(quantize_state(model.state_dict(), cfg, hessians), cfg, tokenizer),
                                     cfg.compressor)
             write_atomic(artifact, blob)
             log(f"Serialized model int6+{method}: {len(blob)} bytes export_time:{1000 * (time.perf_counter() - t0):.0f}ms")
@@ -3026,8 +3121,11 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
         f"{train_ms / 1000:.1f}s wall_time:{time.perf_counter() - t_start:.1f}s"
         + (" sample_data:not_comparable_to_FineWeb" if sample else ""))
     if total > SIZE_LIMIT_BYTES:
-        log(f"ERROR submission_over_limit total:{total} limit:{SIZE_LIMIT_BYTES} over_by:{total - SIZE_LIMIT_BYTES}")
+        log(f"ERROR submission_over_limit total:{total} limit:{SIZE_LIMIT_BYTES} over_by:{total - SIZE_LIMIT_BYTES}"
+            + (f" (export again from RESUME=logs/{cfg.run_id}.ckpt)" if (Path("logs") / f"{cfg.run_id}.ckpt").is_file() else ""))
         return 1
+    if rt.is_main and not cfg.checkpoint_every:  # the artifact is written and scored: training's checkpoint goes
+        (Path("logs") / f"{cfg.run_id}.ckpt").unlink(missing_ok=True)
     return 0
 
 
@@ -3035,10 +3133,10 @@ def report_error(e: BaseException) -> int:
     """One line on stderr for an error that ends the run (main wrote it to the log). Errors every rank meets
     alike (settings, data, a non-finite loss) are reported by rank 0 only."""
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0 or not isinstance(e, (ValueError, OSError, FloatingPointError)):
-        what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+    if rank == 0 or not isinstance(e, (ValueError, OSError, FloatingPointError, KeyboardInterrupt)):
+        what = (str(e) or "interrupted") if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
         print(f"error{f' (rank {rank})' if rank else ''}: {what} (DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
-    return 130 if isinstance(e, KeyboardInterrupt) else 1
+    return 128 + getattr(e, "signum", signal.SIGINT) if isinstance(e, KeyboardInterrupt) else 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Usage (from the repository root):
     python3 records/package_record.py --name NAME --author "A" --github-id GH --blurb "..." \
-        [--date YYYY-MM-DD] [--track track_10min_16mb] [--root records] [--force] \
+        [--date YYYY-MM-DD] [--track track_10min_16mb] [--root records] [--force] [--allow-partial-val] \
         [--prev-record-logs F1 F2 ... | --prev-record-losses 1.9 1.91 ...] -- LOG [LOG ...]
 (the `--` ends a --prev-record-* list; without one, put the LOGs before those options.)
 
@@ -14,11 +14,21 @@ README.md and submission.json.
 A run's score is its `legal_ttt_exact` line if present, else its `final_int6_sliding_window_exact` line.
 
 Refused (exit 1, each problem named with its log): a log holding more than one run, a run on the offline
-sample (its `sample_data:` line), different embedded code, Total submission size over
+sample (its `sample_data:` line), a run scored on fewer than the 50,000 validation documents of the challenge
+(the full FineWeb val set; the `val_docs:` count on the `val_tokens:` line, a log without one is refused too),
+an EVAL_ONLY run (it trained nothing), a run that logged an `error` line after it trained or scored, different
+embedded code, a setting that differs between the logs (all must come from one command: only seed, run_id,
+artifact_path and resume, which name the run and its own files, may differ), Total submission size over
 16,000,000 bytes, no final score line, train_done train_time over 600,000 ms, a repeated seed, and an
-existing output folder without --force. With previous-record values (numbers, or logs whose final
-val_loss is read), a one-sided Welch t-test asks whether our mean val_loss is at least 0.005 nats below
-theirs (the challenge's record rule: p < 0.01); the Student-t tail is computed here, no scipy.
+existing output folder without --force.
+--allow-partial-val packages runs scored on fewer validation documents (or an unknown number) for checks: the
+record is then marked not a submission (`"not_a_submission": "<why>"` in submission.json and a
+`**NOT A SUBMISSION**` line at the top of README.md).
+Skipped (one stderr line each, no refusal, so `logs/*.txt` works): a log of a run that failed at the start,
+i.e. an `error <Type>: <msg>` line but no `step:` line and no score or train_done line.
+With previous-record values (numbers, or logs whose final val_loss is read), a one-sided Welch t-test asks
+whether our mean val_loss is at least 0.005 nats below theirs (the challenge's record rule: p < 0.01); the
+Student-t tail is computed here, no scipy.
 """
 
 from __future__ import annotations
@@ -40,6 +50,10 @@ RECORD_MARGIN_NATS = 0.005  # a new record must beat the previous mean val_loss 
 RECORD_P_VALUE = 0.01  # ... at this one-sided significance level
 SOURCE_START, SOURCE_END = "==== source: train_gpt.py ====", "==== end source ===="
 SCORE_EVENTS = ("legal_ttt_exact", "final_int6_sliding_window_exact")  # first present wins
+FULL_VAL_DOCS = 50_000  # documents (BOS tokens) of the challenge's validation set, the full FineWeb val split
+# Settings that may differ between a record's logs: the seed, and what names the run and its own files (the log
+# and artifact paths follow RUN_ID; RESUME is each run's own checkpoint, whose settings the resumed run logs).
+PER_RUN_SETTINGS = ("seed", "run_id", "artifact_path", "resume")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -149,6 +163,14 @@ class RunLog:
     curve: list[tuple[int, float, float]] = field(default_factory=list)  # (step, train_loss, train_time ms)
     runs: int = 0  # source blocks: one per run that wrote to this log
     sample_data: bool = False  # trained or scored on the offline sample (train_gpt.py's `sample_data:` line)
+    val_docs: int | None = None  # validation documents scored (`val_docs:` of the `val_tokens:` line)
+    error: str | None = None  # `<Type>: <msg>` of the first `error ` line (the run ended with an exception)
+    stepped: bool = False  # a `step:N/M ...` line: training steps ran (or were validated)
+
+    @property
+    def failed_at_start(self) -> bool:
+        """The run ended with an error before any training step and before any score."""
+        return self.runs == 1 and self.error is not None and not self.stepped and not self.events
 
     @property
     def score_event(self) -> str | None:
@@ -209,6 +231,7 @@ def parse_log(path: Path) -> RunLog:
     run.runs = lines.count(SOURCE_START)
     for line in lines[first:]:  # never read key:value lines out of the embedded source
         event = line.split(" ", 1)[0]
+        run.stepped |= re.match(r"step:\d+/\d+ ", line) is not None
         if m := re.fullmatch(r"setting (\w+):(.*)", line):
             run.settings[m[1]] = m[2]
         elif m := re.fullmatch(r"Total submission size int6\+(\w+): (\d+) bytes( .*)?", line):
@@ -221,6 +244,11 @@ def parse_log(path: Path) -> RunLog:
             run.stopped_early = True
         elif event == "sample_data:":
             run.sample_data = True
+        elif event.startswith("val_tokens:"):
+            docs = _key_values(line).get("val_docs")
+            run.val_docs = int(docs) if docs is not None and docs.isdigit() else None
+        elif event == "error" and run.error is None:
+            run.error = line.removeprefix("error ")
         elif m := re.fullmatch(r"peak memory allocated: (\d+) MiB reserved: (\d+) MiB", line):
             run.peak_mib = (int(m[1]), int(m[2]))
         elif m := re.fullmatch(r"step:(\d+)/\d+ train_loss:(\S+) train_time:(\S+)ms .*", line):
@@ -248,13 +276,27 @@ def shipped_code(source: bytes) -> bytes | None:
     return namespace["shipped_code"](source.decode("utf-8"))
 
 
-def problems_of(run: RunLog) -> list[str]:
-    """Reasons this single log cannot be part of a record (empty when it qualifies)."""
+def problems_of(run: RunLog, allow_partial_val: bool = False) -> list[str]:
+    """Reasons this single log cannot be part of a record (empty when it qualifies). With allow_partial_val, a run
+    scored on fewer than FULL_VAL_DOCS validation documents (or an unknown number) qualifies, for checks only."""
     out = []
     if run.runs > 1:
         out.append(f"the log holds {run.runs} runs (a reused RUN_ID before train_gpt.py gave each run its own log)")
+    if run.error is not None:
+        out.append(f"the run failed: `error {run.error}`")
     if run.sample_data:
         out.append("trained or scored on the offline sample (data/make_sample.py), not FineWeb")
+    if run.settings.get("eval_only"):
+        out.append(f"an EVAL_ONLY run (it scored the artifact {run.settings['eval_only']}, it trained nothing)")
+    if allow_partial_val:  # the record is marked not a submission instead (build_submission)
+        pass
+    elif run.val_docs is None:
+        out.append(f"no `val_docs:` count on a `val_tokens:` line (a log of an older train_gpt.py), so nothing shows "
+                   f"that all {FULL_VAL_DOCS:,} validation documents were scored (--allow-partial-val packages it, "
+                   f"marked not a submission)")
+    elif run.val_docs < FULL_VAL_DOCS:
+        out.append(f"scored on {run.val_docs:,} validation documents, fewer than the challenge's {FULL_VAL_DOCS:,} "
+                   f"(the full FineWeb val set) (--allow-partial-val packages it, marked not a submission)")
     if run.source is None:
         out.append(f"no embedded source (`{SOURCE_START}` line missing)")
     elif run.code_bytes is None:
@@ -281,8 +323,22 @@ def problems_of(run: RunLog) -> list[str]:
     return out
 
 
-def load_runs(paths: list[Path]) -> list[RunLog]:
-    """Parse and check every log; raise one Refusal listing all problems found."""
+def differing_settings(runs: list[RunLog]) -> list[str]:
+    """One line per setting, other than PER_RUN_SETTINGS, whose value is not the same in all the logs."""
+    out = []
+    for key in sorted(set().union(*(r.settings for r in runs)) - set(PER_RUN_SETTINGS)):
+        by_value: dict[str | None, list[str]] = {}
+        for run in runs:
+            by_value.setdefault(run.settings.get(key), []).append(str(run.path))
+        if len(by_value) > 1:
+            out.append(f"setting {key} differs between the logs: " + "; ".join(
+                f"{key}:{'(absent)' if v is None else v} in {', '.join(paths)}" for v, paths in by_value.items()))
+    return out
+
+
+def load_runs(paths: list[Path], allow_partial_val: bool = False) -> list[RunLog]:
+    """Parse and check every log; raise one Refusal listing all problems found. A log of a run that failed at the
+    start is left out, with one line on stderr."""
     problems, runs = [], []
     for path in paths:
         try:
@@ -290,8 +346,14 @@ def load_runs(paths: list[Path]) -> list[RunLog]:
         except (OSError, UnicodeDecodeError, Refusal) as e:
             problems.append(f"{path}: {e}")
             continue
-        problems += [f"{path}: {p}" for p in problems_of(run)]
+        if run.failed_at_start:
+            print(f"package_record: skipped {path}: the run failed at the start (no training step, no score): "
+                  f"error {run.error}", file=sys.stderr)
+            continue
+        problems += [f"{path}: {p}" for p in problems_of(run, allow_partial_val)]
         runs.append(run)
+    if not problems and not runs:
+        problems.append("no run left to package: every log given is of a run that failed at the start")
     if not problems:
         first, seen = runs[0], {}
         for run in runs:
@@ -302,6 +364,7 @@ def load_runs(paths: list[Path]) -> list[RunLog]:
             seen.setdefault(run.seed, run.path)
             if run.score_event != first.score_event:
                 problems.append(f"{run.path}: scored by {run.score_event} but {first.path} by {first.score_event}")
+        problems += differing_settings(runs)
     if problems:
         raise Refusal("\n".join(problems))
     return runs
@@ -328,6 +391,13 @@ def prev_record_losses(paths: list[Path]) -> list[float]:
 def build_submission(runs: list[RunLog], meta: dict, prev: list[float] | None) -> dict:
     losses, bpbs = [r.val_loss for r in runs], [r.val_bpb for r in runs]
     sub = dict(meta)
+    partial = [r for r in runs if r.val_docs is None or r.val_docs < FULL_VAL_DOCS]
+    if partial:  # only with --allow-partial-val: load_runs refuses them otherwise
+        sub["not_a_submission"] = (
+            f"scored on fewer than the challenge's {FULL_VAL_DOCS:,} validation documents (packaged with "
+            f"--allow-partial-val, for checks only): " + "; ".join(
+                f"seed {r.seed}: " + ("unknown (no val_docs line)" if r.val_docs is None else f"{r.val_docs:,}")
+                for r in partial))
     sub.update(
         val_bpb=round(mean(bpbs), 8), val_loss=round(mean(losses), 8),
         val_bpb_std=round(sample_std(bpbs), 8) if len(runs) > 1 else None,
@@ -335,7 +405,8 @@ def build_submission(runs: list[RunLog], meta: dict, prev: list[float] | None) -
         bytes_total=max(r.total_bytes for r in runs), bytes_code=runs[0].code_bytes,
         score_line=runs[0].score_event, seeds=[r.seed for r in runs],
         per_seed=[dict(seed=r.seed, val_loss=r.val_loss, val_bpb=r.val_bpb, steps=r.steps, train_time_ms=r.train_ms,
-                       stopped_early=r.stopped_early, eval_time_ms=r.eval_ms, bytes_total=r.total_bytes,
+                       stopped_early=r.stopped_early, eval_time_ms=r.eval_ms, val_docs=r.val_docs,
+                       bytes_total=r.total_bytes,
                        bytes_model=r.model_bytes, log=f"train_seed{r.seed}.log") for r in runs],
     )
     if prev is not None:
@@ -352,12 +423,15 @@ def build_submission(runs: list[RunLog], meta: dict, prev: list[float] | None) -
 
 def render_readme(sub: dict, runs: list[RunLog], track: str) -> str:
     std = lambda key, digits=4: "n/a (1 seed)" if sub[key] is None else f"{sub[key]:.{digits}f}"  # noqa: E731
-    out = [f"# {sub['name']}", "",
-           f"**val_bpb: {sub['val_bpb']:.4f}** ({len(runs)}-seed mean, std {std('val_bpb_std')}) | "
+    out = [f"# {sub['name']}", ""]
+    if "not_a_submission" in sub:
+        out += [f"**NOT A SUBMISSION**: {sub['not_a_submission']}.", ""]
+    out += [f"**val_bpb: {sub['val_bpb']:.4f}** ({len(runs)}-seed mean, std {std('val_bpb_std')}) | "
            f"**{sub['bytes_total']:,} bytes** (largest seed, int6+{runs[0].compressor}) | {track}", "",
            sub["blurb"], "",
            f"By {sub['author']} (@{sub['github_id']}), {sub['date']}. Score: `{sub['score_line']}` of each log "
-           f"(limits checked: total bytes <= {MAX_TOTAL_BYTES:,}, train time <= {MAX_TRAIN_MS / 1000:.0f} s).", "",
+           f"(limits checked: total bytes <= {MAX_TOTAL_BYTES:,}, train time <= {MAX_TRAIN_MS / 1000:.0f} s"
+           + ("" if "not_a_submission" in sub else f", all {FULL_VAL_DOCS:,} validation documents scored") + ").", "",
            "## Results", "",
            "| Seed | steps | train time | step_avg | eval time | val_loss | val_bpb | bytes total |",
            "|---|---|---|---|---|---|---|---|"]
@@ -391,12 +465,8 @@ def render_readme(sub: dict, runs: list[RunLog], track: str) -> str:
 
 
 def package(logs: list[Path], meta: dict, root: Path, track: str, prev: list[float] | None = None,
-            force: bool = False) -> Path:
-    runs = sorted(load_runs(logs), key=lambda r: r.seed)
-    differing = sorted(k for k in set().union(*(r.settings for r in runs))
-                       if k not in ("seed", "run_id") and len({r.settings.get(k) for r in runs}) > 1)
-    if differing:  # allowed, but a record's seeds should come from one command
-        print(f"package_record: warning: settings differ between logs: {', '.join(differing)}", file=sys.stderr)
+            force: bool = False, allow_partial_val: bool = False) -> Path:
+    runs = sorted(load_runs(logs, allow_partial_val), key=lambda r: r.seed)
     folder = root / track / f"{meta['date']}_{re.sub(r'[^A-Za-z0-9._-]+', '_', meta['name']).strip('_')}"
     if folder.exists():
         if not force:
@@ -425,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--track", default="track_10min_16mb")
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parent, help="default: records/")
     ap.add_argument("--force", action="store_true", help="replace an existing record folder")
+    ap.add_argument("--allow-partial-val", action="store_true",
+                    help=f"package runs scored on fewer than {FULL_VAL_DOCS:,} validation documents (or an unknown "
+                         f"number), for checks: the record is marked not a submission")
     prev = ap.add_mutually_exclusive_group()
     prev.add_argument("--prev-record-logs", nargs="+", type=Path, metavar="F")
     prev.add_argument("--prev-record-losses", nargs="+", type=float, metavar="X")
@@ -433,13 +506,15 @@ def main(argv: list[str] | None = None) -> int:
                 date=args.date.isoformat())
     try:
         prev_losses = prev_record_losses(args.prev_record_logs) if args.prev_record_logs else args.prev_record_losses
-        folder = package(args.logs, meta, args.root, args.track, prev_losses, args.force)
+        folder = package(args.logs, meta, args.root, args.track, prev_losses, args.force, args.allow_partial_val)
     except Refusal as e:
         print(f"package_record: REFUSED\n{e}", file=sys.stderr)
         return 1
     sub = json.loads((folder / "submission.json").read_text())
     print(f"package_record: wrote {folder}\nval_bpb mean {sub['val_bpb']:.8f} val_loss mean {sub['val_loss']:.8f} "
           f"bytes_total {sub['bytes_total']:,} seeds {sub['seeds']}")
+    if "not_a_submission" in sub:
+        print(f"NOT A SUBMISSION: {sub['not_a_submission']}")
     if sig := sub.get("significance"):
         print(f"significance: p={sig['p_value']} significant={sig['significant']} (p < {RECORD_P_VALUE} needed)")
     return 0

@@ -235,4 +235,5 @@ def test_coprime_loader_is_split_independent_and_restorable(small_shards, world,
     fresh.load_state_dict(state)
     if want is not None:
         assert _gathered_step([fresh]) == want
-    assert state == {"k": 7 * batch // T}
+    assert state == {"k": 7 * batch // T, "data": f"TRAIN_SAMPLING=coprime over {len(files)} shards of "
+                                                 f"{sum(map(tg.shard_token_count, files))} tokens"}

@@ -109,7 +109,8 @@ def test_export_roundtrip_error_bounds_and_reproducible(tmp_path, method):
     assert path.read_bytes() == (tmp_path / "b.ptz").read_bytes()
 
     template = tg.build_model(cfg, tg.Runtime()).state_dict()
-    settings, stored = tg.read_artifact(path)
+    header, stored = tg.read_artifact(path)
+    settings = header["settings"]
     loaded = tg.dequantize_state(stored, template, L)
     assert list(loaded) == list(template)
     assert all(loaded[k].dtype == template[k].dtype and loaded[k].shape == template[k].shape for k in template)
@@ -146,7 +147,8 @@ def test_the_largest_vocabulary_exports_and_reads_back(tmp_path):
     state = {k: v.detach().clone() for k, v in random_model(cfg, seed=2).state_dict().items()}
     path = tmp_path / "v.ptz"
     path.write_bytes(export(state, cfg, "zstd")[0])
-    settings, stored = tg.read_artifact(path)
+    header, stored = tg.read_artifact(path)
+    settings = header["settings"]
     assert settings["vocab_size"] == 65536
     model = tg.build_model(cfg, tg.Runtime())
     model.load_state_dict(tg.dequantize_state(stored, model.state_dict(), cfg.num_layers))

@@ -1,8 +1,8 @@
 """The Triton kernels (KERNELS=triton: q/k RMSNorm + RoPE + gain, XSA, soft-capped cross entropy) against float64 references,
 forward and backward, and the whole model with them against the PyTorch-ops model. On the CPU the kernels run
 in Triton's interpreter (conftest sets TRITON_INTERPRET=1), on a GPU machine compiled (`python3 -m pytest
-tests/test_kernels.py` there). Without the triton package these tests are skipped; .ci/run installs it
-and checks the import, so CI never skips them."""
+tests/test_kernels.py` there). Without the triton package these tests are skipped; the README's install brings
+it and .ci/run checks the import, so CI never skips them."""
 from __future__ import annotations
 
 

@@ -129,27 +129,14 @@ def test_issue_21_features_train_alike_on_one_two_and_three_ranks(dataset, token
 
 def test_a_run_that_stops_before_enable_looping_at_still_scores_the_repeats(dataset, tokenizer_path, tmp_path):
     env = tiny_env(dataset, tokenizer_path, RUN_ID="early", NUM_LOOPS=1, LOOP_START=0, LOOP_END=1,
-                   ENABLE_LOOPING_AT=0.9, ITERATIONS=4)
+                   ENABLE_LOOPING_AT=0.9, ITERATIONS=4, LAWA_K="5")
     r = run_script(env, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     log = (tmp_path / "logs" / "early.txt").read_text()
+    assert "warning setting LAWA_K is not supported" in log  # dropped reference variables: logged, run goes on
     assert not re.search(r"^layer_loop:enabled step:", log, re.M)  # (the log opens with the source, hence ^)
     after = re.search(r"^layer_loop:enabled after training step:4 ", log, re.M)
     assert after and after.start() < re.search(r"^post_ema ", log, re.M).start()
-
-
-def test_wallclock_cap_run(dataset, tokenizer_path, tmp_path):
-    env = tiny_env(dataset, tokenizer_path, RUN_ID="cap", MAX_WALLCLOCK_SECONDS="1.5", ITERATIONS="100000",
-                   TRAIN_LOG_EVERY="50", LAWA_K="5")
-    r = run_script(env, tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    log = (tmp_path / "logs" / "cap.txt").read_text()
-    m = re.search(r"^stopping_early: wallclock_cap train_time:(\d+)ms step:(\d+)/100000$", log, re.M)
-    assert m, log[-3000:]
-    done = re.search(r"^train_done steps:(\d+) train_time:(\d+)ms", log, re.M)
-    assert done and int(done.group(1)) == int(m.group(2)) > 1
-    assert int(done.group(2)) <= 1500
-    assert "warning setting LAWA_K is not supported" in log  # dropped reference variables: logged, run goes on
 
 
 def test_nan_loss_stops_the_run_naming_the_step(dataset, tokenizer_path, tmp_path):
@@ -253,9 +240,10 @@ def test_errors_are_one_line_logged_too_and_debug_shows_the_traceback(dataset, t
     env = tiny_env(tmp_path / "missing", tokenizer_path, RUN_ID="nodata")
     r = run_script(env, tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines() == [
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error")]  # libraries may warn on stderr too
+    assert errors == [
         f"error: FileNotFoundError: DATA_PATH {tmp_path / 'missing'} is not a directory: {tg.GET_DATA} "
-        "(DEBUG=1 shows the traceback)"]
+        "(DEBUG=1 shows the traceback)"], r.stderr[-3000:]
     log = (tmp_path / "logs" / "nodata.txt").read_text().strip().splitlines()
     assert log[-1] == f"error FileNotFoundError: DATA_PATH {tmp_path / 'missing'} is not a directory: {tg.GET_DATA}"
     r = run_script(dict(env, DEBUG="1"), tmp_path)
@@ -296,7 +284,7 @@ def test_a_reused_run_id_gets_its_own_log_and_sample_data_is_flagged(dataset, to
     for _ in range(2):
         r = run_script(env, tmp_path)
         assert r.returncode == 0, r.stderr[-3000:]
-    assert "warning logs/again.txt exists: this run is RUN_ID=again_2" in r.stdout
+    assert "warning RUN_ID again is taken in logs/: this run is RUN_ID=again_2" in r.stdout
     for run_id in ("again", "again_2"):
         log = (tmp_path / "logs" / f"{run_id}.txt").read_text()
         assert log.splitlines().count("==== source: train_gpt.py ====") == 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -63,10 +65,29 @@ def test_every_field_has_a_comment():
     assert len(missing) <= 5, f"fields without a one-line comment: {missing}"
 
 
-def test_readme_names_the_test_command_ci_runs():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    assert "python3 -m pytest -q tests" in readme and "python3 -m pytest -q tests" in ci
+def quickstart_commands() -> list[str]:
+    """The non-blank lines of the first fenced block under the README's "## Quickstart (CPU)" heading."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = re.split(r"^## Quickstart \(CPU\)[ \t]*$", text, maxsplit=1, flags=re.M)[1]
+    block = re.search(r"^```[^\n]*\n(.*?)^```", section, flags=re.S | re.M).group(1)
+    return [ln for ln in block.splitlines() if ln.strip()]
+
+
+def test_ci_runs_exactly_the_readme_quickstart_commands():
+    """CI sees what a newcomer sees: .ci/run reads its commands from the README's block and installs nothing
+    of its own (an install added to CI only would make CI green where the README's commands fail)."""
+    cmds = quickstart_commands()
+    install, test = cmds
+    assert install.startswith("python3 -m pip install torch==2.13.0 -r requirements.txt pytest ")
+    assert "triton==3.9.0" in install.split("&&")[0]  # the kernel tests run in Triton's CPU interpreter
+    assert test == "python3 -m pytest -q -rs tests"  # -rs: every skip shows its reason
+    printed = subprocess.run(["bash", str(ROOT / ".ci" / "run"), "--print"], capture_output=True, text=True,
+                             timeout=60, check=True).stdout.splitlines()
+    assert printed == cmds
+    ci_code = [ln for ln in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+               if ln.strip() and not ln.lstrip().startswith("#")]
+    own = [ln for ln in ci_code if re.search(r"\bpip\b|\binstall\b|quickstart\.sh|python3 -m pytest", ln.split("#")[0])]
+    assert not own, f"an install or command in .ci/run that the README's Quickstart block lacks: {own}"
 
 
 def test_readme_world_sizes_are_those_the_default_batch_divides_into():

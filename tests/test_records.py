@@ -125,20 +125,31 @@ def shipped(code: str) -> bytes:
     return b"# shipped\n" + code.encode("utf-8")[::-1]
 
 
+def log_head(seed: int, code: str = CODE, source_extra_newline: bool = True, ttt: bool = False,
+             settings: dict | None = None) -> list[str]:
+    """The lines train_gpt.py logs before it reads any data: source, versions, device, settings."""
+    values = {"artifact_path": f"logs/run{seed}.int6.ptz", "data_path": "./data/datasets/fineweb10B_sp1024",
+              "eval_only": "", "iterations": 20000, "max_wallclock_seconds": 600.0, "num_layers": 11, "resume": "",
+              "run_id": f"run{seed}", "seed": seed, "ttt_enabled": int(ttt), **(settings or {})}
+    return [pr.SOURCE_START, code + ("\n" if source_extra_newline else "") + pr.SOURCE_END,
+            "versions python:3.11.9 torch:2.11.0+cu128", "device name:NVIDIA_H100_80GB_HBM3 memory_mib:81000 count:8",
+            "world_size:8", *(f"setting {k}:{v}" for k, v in sorted(values.items()))]
+
+
 def make_log(folder: Path, seed: int, code: str = CODE, total_bytes: int | None = None, train_ms: int = 599_870,
-             final: bool = True, ttt: bool = False, source_extra_newline: bool = True) -> tuple[Path, dict]:
-    """Write a log with train_gpt.py's layout; return its path and the values written into it."""
+             final: bool = True, ttt: bool = False, source_extra_newline: bool = True, val_docs: int | None = 50_000,
+             settings: dict | None = None) -> tuple[Path, dict]:
+    """Write a log with train_gpt.py's layout; return its path and the values written into it. val_docs=None
+    writes the `val_tokens:` line of an older train_gpt.py (no val_docs count); settings override `setting` lines."""
     code_bytes = len(shipped(code))
     model_bytes = 15_800_000 + seed % 1000
     total = model_bytes + code_bytes if total_bytes is None else total_bytes
     val_loss, val_bpb = 1.90 + (seed % 97) * 1e-4 + 0.123456789e-4, 1.12 + (seed % 89) * 1e-4 + 0.987654321e-4
     ttt_loss, ttt_bpb = val_loss - 0.0041, val_bpb - 0.0024
     steps = 7100 + seed % 50
-    lines = [pr.SOURCE_START, code + ("\n" if source_extra_newline else "") + pr.SOURCE_END,
-             "python 3.11.9 torch 2.11.0+cu128", "device NVIDIA H100 80GB HBM3 x8",
-             f"setting run_id:run{seed}", "setting data_path:./data/datasets/fineweb10B_sp1024",
-             f"setting seed:{seed}", "setting max_wallclock_seconds:600.0", "setting iterations:20000",
-             f"setting ttt_enabled:{int(ttt)}", "model_params:27000000"]
+    docs = "" if val_docs is None else f" val_docs:{val_docs}"
+    lines = [*log_head(seed, code, source_extra_newline, ttt, settings),
+             f"val_tokens:62021846{docs} scored_targets:62021845 eval_batch_seqs:64", "model_params:27000000"]
     lines += [f"step:{s}/20000 train_loss:{6.9 - s * 1e-4:.4f} train_time:{s * 83}ms step_avg:83.00ms"
               for s in (1, 2, 500, 1000)]
     lines += [f"step:{steps}/20000 val_loss:{val_loss - 0.02:.4f} val_bpb:{val_bpb - 0.01:.4f} "
@@ -304,8 +315,140 @@ def test_refuses_unfinished_ttt_and_mismatched_code_bytes(tmp_path, capsys):
     assert "no legal_ttt_exact line" in err and "code_bytes says 12" in err
 
 
-def test_packages_a_real_tiny_cpu_run(tmp_path, dataset, tokenizer_path):
-    """The tool against logs that train_gpt.py really wrote: two seeds of a tiny CPU run."""
+def test_refuses_logs_whose_settings_differ(tmp_path, capsys):
+    """A "3-seed record" of 2-layer and 3-layer runs used to be packaged (a stderr warning, exit 0): a setting other
+    than the seed and what names the run and its files (run_id, artifact_path, resume) must be the same in all."""
+    two, _ = make_log(tmp_path, 1, settings={"num_layers": 2})
+    three, _ = make_log(tmp_path, 2, settings={"num_layers": 3})
+    also_two, _ = make_log(tmp_path, 3, settings={"num_layers": 2})
+    assert run_cli(tmp_path, [two, three, also_two]) == 1
+    err = capsys.readouterr().err
+    assert "REFUSED" in err
+    line = next(x for x in err.splitlines() if "setting num_layers differs" in x)
+    assert f"num_layers:2 in {two}, {also_two}" in line and f"num_layers:3 in {three}" in line
+    assert not any("setting seed" in x or "setting run_id" in x for x in err.splitlines())
+    assert not (tmp_path / "out").exists()
+
+
+def test_per_run_settings_may_differ(tmp_path):
+    """seed, run_id, artifact_path (logs/<RUN_ID>.int6.ptz) and resume (each run's own checkpoint) name the run."""
+    made = [make_log(tmp_path, 1, settings={"resume": "logs/a.ckpt", "artifact_path": "/data/a.ptz"}),
+            make_log(tmp_path, 2, settings={"resume": "logs/b.ckpt"}), make_log(tmp_path, 3)]
+    assert run_cli(tmp_path, [p for p, _ in made]) == 0
+    assert json.loads((record_dir(tmp_path) / "submission.json").read_text())["seeds"] == [1, 2, 3]
+
+
+def test_refuses_an_eval_only_run(tmp_path, capsys):
+    log, _ = make_log(tmp_path, 1, settings={"eval_only": "logs/other.int6.ptz"})
+    assert run_cli(tmp_path, [log]) == 1
+    assert f"{log}: an EVAL_ONLY run (it scored the artifact logs/other.int6.ptz" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("val_docs, reason", [
+    (49_999, "scored on 49,999 validation documents, fewer than the challenge's 50,000"),
+    (None, "no `val_docs:` count on a `val_tokens:` line (a log of an older train_gpt.py)"),
+])
+def test_refuses_a_partial_validation_set_unless_allowed(tmp_path, capsys, val_docs, reason):
+    """Scores on part of the FineWeb val set (a smaller val shard, a tiny test set) are not comparable to the
+    challenge's, which scores all 50,000 documents; --allow-partial-val packages them marked not a submission."""
+    full, _ = make_log(tmp_path, 1)
+    part, _ = make_log(tmp_path, 2, val_docs=val_docs)
+    assert run_cli(tmp_path, [full, part]) == 1
+    err = capsys.readouterr().err
+    assert "REFUSED" in err and f"{part}: {reason}" in err and str(full) not in err
+    assert not (tmp_path / "out").exists()
+
+    assert run_cli(tmp_path, [full, part], "--allow-partial-val") == 0
+    assert "NOT A SUBMISSION: scored on fewer than" in capsys.readouterr().out
+    sub = json.loads((record_dir(tmp_path) / "submission.json").read_text())
+    want = "unknown (no val_docs line)" if val_docs is None else "49,999"
+    assert sub["not_a_submission"].endswith(f"--allow-partial-val, for checks only): seed 2: {want}")
+    assert [s["val_docs"] for s in sub["per_seed"]] == [50_000, val_docs]
+    readme = (record_dir(tmp_path) / "README.md").read_text().splitlines()
+    assert readme[2] == f"**NOT A SUBMISSION**: {sub['not_a_submission']}."
+
+
+def test_full_validation_set_is_a_submission_with_or_without_the_flag(tmp_path):
+    made = [make_log(tmp_path, s) for s in (1, 2)]
+    for extra in ((), ("--allow-partial-val", "--force")):
+        assert run_cli(tmp_path, [p for p, _ in made], *extra) == 0
+        sub = json.loads((record_dir(tmp_path) / "submission.json").read_text())
+        assert "not_a_submission" not in sub and [s["val_docs"] for s in sub["per_seed"]] == [50_000, 50_000]
+        readme = (record_dir(tmp_path) / "README.md").read_text()
+        assert "NOT A SUBMISSION" not in readme and "all 50,000 validation documents scored" in readme
+
+
+def failed_log(folder: Path, seed: int, after: list[str] = (), error: str = "FileNotFoundError: TOKENIZER_PATH "
+               "./nope.model does not exist: see data/README.md", code: str = CODE) -> Path:
+    """The log of a run that raised after its header (train_gpt.py's main logs `error <Type>: <msg>`)."""
+    path = folder / f"failed{seed}.txt"
+    path.write_text("\n".join([*log_head(seed, code), *after, f"error {error}"]) + "\n", encoding="utf-8")
+    return path
+
+
+def test_skips_runs_that_failed_at_the_start(tmp_path, capsys):
+    """`package_record.py ... logs/*.txt` used to be refused for any log of a run that stopped on a bad setting or a
+    missing file: such a log (header, no step, no score, an error line) is left out with one line on stderr."""
+    made = [make_log(tmp_path, s) for s in (1, 2)]
+    early = failed_log(tmp_path, 3, after=["val_tokens:62021846 val_docs:50000 scored_targets:62021845",
+                                           "model_params:27000000", "warmup_step:1/20"],
+                       error="OutOfMemoryError: CUDA out of memory.\nTried to allocate 2.00 GiB")
+    other = failed_log(tmp_path, 4)
+    assert run_cli(tmp_path, [made[0][0], early, made[1][0], other]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"package_record: skipped {early}: the run failed at the start (no training step, no score): "
+                   "error OutOfMemoryError: CUDA out of memory.",
+                   f"package_record: skipped {other}: the run failed at the start (no training step, no score): "
+                   "error FileNotFoundError: TOKENIZER_PATH ./nope.model does not exist: see data/README.md"]
+    sub = json.loads((record_dir(tmp_path) / "submission.json").read_text())
+    assert sub["seeds"] == [1, 2] and sorted(f.name for f in record_dir(tmp_path).glob("*.log")) == [
+        "train_seed1.log", "train_seed2.log"]
+
+
+def test_all_logs_failed_at_the_start(tmp_path, capsys):
+    assert run_cli(tmp_path, [failed_log(tmp_path, 1), failed_log(tmp_path, 2)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("package_record: skipped") == 2 and "no run left to package" in err
+
+
+def test_refuses_a_log_cut_off_at_the_start_without_an_error_line(tmp_path, capsys):
+    """Only a logged exception marks a start failure: a run killed (or still running) after its header, and a log of
+    two runs that both failed at the start, are refused, not skipped."""
+    good, _ = make_log(tmp_path, 1)
+    cut = failed_log(tmp_path, 2)
+    cut.write_text(cut.read_text().rsplit("error ", 1)[0])
+    twice = failed_log(tmp_path, 3, code="# no decoy lines: the second source block must not read as events\n")
+    twice.write_text(twice.read_text() * 2)
+    assert run_cli(tmp_path, [good, cut, twice]) == 1
+    err = capsys.readouterr().err
+    assert "skipped" not in err and f"{cut}: no `train_done` line" in err and f"{twice}: the log holds 2 runs" in err
+
+
+@pytest.mark.parametrize("after", [
+    ["step:1/20000 train_loss:6.9000 train_time:83ms step_avg:83.00ms"],  # trained a step
+    ["step:500/20000 train_time:41500ms eta:540s"],  # a progress line of the training loop
+    ["final_int6_roundtrip_exact val_loss:2.00000000 val_bpb:1.20000000"],  # scored
+])
+def test_refuses_runs_that_failed_after_the_start(tmp_path, capsys, after):
+    good, _ = make_log(tmp_path, 1)
+    late = failed_log(tmp_path, 2, after=after, error="RuntimeError: NCCL timeout")
+    assert run_cli(tmp_path, [good, late]) == 1
+    err = capsys.readouterr().err
+    assert "skipped" not in err and f"{late}: the run failed: `error RuntimeError: NCCL timeout`" in err
+
+
+def test_refuses_a_finished_run_that_logged_an_error(tmp_path, capsys):
+    """An error after the final score (the process did not end cleanly) used to pass unnoticed."""
+    good, _ = make_log(tmp_path, 1)
+    late, _ = make_log(tmp_path, 2)
+    late.write_text(late.read_text() + "error RuntimeError: CUDA error: an illegal memory access\n")
+    assert run_cli(tmp_path, [good, late]) == 1
+    assert f"{late}: the run failed: `error RuntimeError: CUDA error" in capsys.readouterr().err
+
+
+def test_packages_a_real_tiny_cpu_run(tmp_path, capsys, dataset, tokenizer_path):
+    """The tool against logs that train_gpt.py really wrote: two seeds of a tiny CPU run (artifact paths differ,
+    logs/real<seed>.int6.ptz), scored on the 40 documents of the tiny val set, and a run that failed at the start."""
     from conftest import run_script, tiny_env
     logs = []
     for seed in (1, 2):
@@ -313,9 +456,20 @@ def test_packages_a_real_tiny_cpu_run(tmp_path, dataset, tokenizer_path):
                                   EVAL_STRIDE=32), tmp_path)
         assert res.returncode == 0, res.stderr[-2000:]
         logs.append(tmp_path / "logs" / f"real{seed}.txt")
-    assert run_cli(tmp_path, logs) == 0
+    # a missing DATA_PATH fails after the log is written (tests/test_main.py checks its `error` line)
+    res = run_script(tiny_env(tmp_path / "missing", tokenizer_path, SEED=3, RUN_ID="bad"), tmp_path)
+    assert res.returncode == 1 and (tmp_path / "logs" / "bad.txt").is_file()
+    all_logs = sorted((tmp_path / "logs").glob("*.txt"))  # as `logs/*.txt` would give them
+    assert run_cli(tmp_path, all_logs) == 1
+    err = capsys.readouterr().err
+    assert f"package_record: skipped {tmp_path / 'logs' / 'bad.txt'}: the run failed at the start" in err
+    assert f"error FileNotFoundError: DATA_PATH {tmp_path / 'missing'} is not a directory" in err
+    assert all(f"{log}: scored on 40 validation documents, fewer than" in err for log in logs)
+    assert run_cli(tmp_path, all_logs, "--allow-partial-val") == 0
     out = record_dir(tmp_path)
     sub = json.loads((out / "submission.json").read_text())
+    assert sub["not_a_submission"].endswith("seed 1: 40; seed 2: 40")
+    assert [s["val_docs"] for s in sub["per_seed"]] == [40, 40]
     finals = []
     for log in logs:
         line = next(x for x in log.read_text().splitlines() if x.startswith("final_int6_sliding_window_exact "))

@@ -64,20 +64,20 @@ def test_configure_inductor_turns_mix_order_reductions_off_unless_the_env_sets_t
 
 def test_a_taken_run_id_gets_the_first_free_suffix_and_the_artifact_follows(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = tg.claim_outputs(make_cfg(RUN_ID="exp"))
+    cfg = tg.claim_outputs(make_cfg(RUN_ID="exp"), tg.Runtime())
     assert (cfg.run_id, cfg.artifact_path) == ("exp", "logs/exp.int6.ptz") and (tmp_path / "logs").is_dir()
     for name in ("exp.txt", "exp_2.txt"):
         (tmp_path / "logs" / name).write_text("an earlier run\n")
-    cfg = tg.claim_outputs(make_cfg(RUN_ID="exp"))
+    cfg = tg.claim_outputs(make_cfg(RUN_ID="exp"), tg.Runtime())
     assert (cfg.run_id, cfg.artifact_path) == ("exp_3", "logs/exp_3.int6.ptz")
-    assert tg.claim_outputs(make_cfg(RUN_ID="exp", ARTIFACT_PATH="mine.ptz")).artifact_path == "mine.ptz"
+    assert tg.claim_outputs(make_cfg(RUN_ID="exp", ARTIFACT_PATH="mine.ptz"), tg.Runtime()).artifact_path == "mine.ptz"
 
 
 def test_a_missing_or_read_only_output_folder_is_an_error_before_anything_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match="ARTIFACT_PATH's folder out does not exist: create it"):
-        tg.claim_outputs(make_cfg(ARTIFACT_PATH="out/model.ptz"))
+        tg.claim_outputs(make_cfg(ARTIFACT_PATH="out/model.ptz"), tg.Runtime())
     (tmp_path / "out").mkdir()
     monkeypatch.setattr(tg.os, "access", lambda path, mode: Path(path) != Path("out"))  # root may write anywhere
     with pytest.raises(PermissionError, match="ARTIFACT_PATH's folder out is not writable"):
-        tg.claim_outputs(make_cfg(ARTIFACT_PATH="out/model.ptz"))
+        tg.claim_outputs(make_cfg(ARTIFACT_PATH="out/model.ptz"), tg.Runtime())

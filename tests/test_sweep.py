@@ -3,6 +3,7 @@ what the runs' own logs say, refusals before any run starts, GPU placement in dr
 a published example."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -177,7 +178,8 @@ def test_welch_p_against_a_published_example():
 
 
 def test_plot_writes_both_pngs(tmp_path):
-    pytest.importorskip("matplotlib")  # an extra of the tool only; .ci/run installs it so this runs there
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (tools/sweep.py --plot's optional "
+                        "extra): python3 -m pip install matplotlib runs this test")
     runs = [sw.Run(v, s, 0, [], f"{v}{s}", {}, [], rc=0, wall_s=1.0, metrics={"score": 1.5 + 0.01 * s + 0.1 * (v == "b")},
                    curve=[(i, 3.0 / i + s * 1e-3, 100.0 * i) for i in range(1, 6)]) for v in "ab" for s in (1, 2)]
     pngs = sw.plot(runs, sw.summarize(runs, ["a", "b"]), tmp_path, "p")
@@ -369,3 +371,84 @@ def test_export_only_sweep_scores_one_trained_model_with_each_export(tmp_path, d
     assert rows["sd"]["post_ema"]["mean"] == rows["base"]["post_ema"]["mean"]  # the same weights
     assert rows["sd"]["roundtrip"]["mean"] != rows["base"]["roundtrip"]["mean"]  # another quantiser
     assert "Total submission size int6+rans" in (tmp_path / "logs" / "x_sd_s1.txt").read_text()
+
+
+RECORDER = '''
+def run(cfg, *more):  # trains nothing: records the settings this run ended up with
+    Path(f"logs/{cfg.run_id}.settings.json").write_text(json.dumps(asdict(cfg)))
+    if cfg.checkpoint_every > 0:  # the first variant's "final checkpoint": RESUME takes the settings from it
+        Path(f"logs/{cfg.run_id}.ckpt").write_text(json.dumps(dict(settings=asdict(cfg))))
+    return 0
+
+
+def read_checkpoint(path):  # main() reads the recorder's checkpoint: its settings alone
+    return json.loads(Path(path).read_text())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
+def test_export_only_runs_see_the_calling_environment_as_training_runs_do(tmp_path, dataset, tokenizer_path):
+    """Every run of an --export-only sweep ends up with the settings a training run of its variant would have,
+    calling environment < --base < --variant, although the export runs take what their environment leaves unset
+    from the first variant's checkpoint. train_gpt.py's own main() (settings, RESUME) with a run() that only
+    records them: EMBED_BITS=6 of the environment reaches b, though c sets EMBED_BITS; MLP_CLIP_SIGMAS=9 of the
+    first variant does not (the environment's 7 does), nor its MATRIX_CLIP_SIGMAS=13 (c has the default)."""
+    src = (ROOT / "train_gpt.py").read_text()
+    script = tmp_path / "recorder.py"
+    script.write_text(src[: src.index('if __name__ == "__main__":')] + RECORDER)
+    calling = dict(EMBED_BITS="6", MLP_CLIP_SIGMAS="7", ATTN_CLIP_SIGMAS="10")
+    base = tiny_base(dataset, tokenizer_path) + " ATTN_CLIP_SIGMAS=11"
+    variants = {"a": "MLP_CLIP_SIGMAS=9 MATRIX_CLIP_SIGMAS=13", "b": "MATRIX_CLIP_SIGMAS=12.85",
+                "c": "EMBED_BITS=5 ATTN_CLIP_SIGMAS=12"}
+    r = run_sweep(["--name", "e", "--seeds", "1", "--export-only", "--script", str(script), "--base", base,
+                   *(f"--variant={name}={s}" for name, s in variants.items())], tmp_path, timeout=300,
+                  OMP_NUM_THREADS="1", **calling)
+    tg = sw.load_script(ROOT / "train_gpt.py")
+    runner = ("run_id", "artifact_path", "resume", "checkpoint_every")
+    seen, want = {}, {}
+    for name, settings in variants.items():
+        path = tmp_path / "logs" / f"e_{name}_s1.settings.json"
+        assert path.is_file(), r.stdout[-3000:] + r.stderr[-3000:]
+        seen[name] = {k: v for k, v in json.loads(path.read_text()).items() if k not in runner}
+        cfg = tg.Hyperparameters.from_env(os.environ | calling | sw.parse_assignments(base, "base")
+                                          | sw.parse_assignments(settings, name) | {"SEED": "1"})[0]
+        want[name] = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in runner}
+    assert [(s["embed_bits"], s["mlp_clip_sigmas"], s["attn_clip_sigmas"], s["matrix_clip_sigmas"])
+            for s in seen.values()] == [(6, 9.0, 11.0, 13.0), (6, 7.0, 11.0, 12.85), (5, 7.0, 12.0, 0.0)]
+    assert seen == want  # every other setting too
+
+
+def test_export_only_refuses_a_variant_that_changes_the_model_before_any_run(tmp_path, monkeypatch, capsys):
+    """A model setting (train_gpt.py's MODEL_SETTINGS) of an export variant that differs from the first variant's
+    (after calling environment < --base < --variant) is refused, naming the variant and the setting; one that
+    repeats the first variant's value is not. (Dry runs: the refusal comes before any run, dry or not.)"""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    for key in ("NUM_LAYERS", "MODEL_DIM", "MLP_MULT", "AUTO_SIZE", "EMBED_BITS"):
+        monkeypatch.delenv(key, raising=False)
+
+    def sweep(*variants: str) -> int:
+        return sw.main(["--dry-run", "--export-only", "--seeds", "1", "--name", "m",
+                        *(w for v in variants for w in ("--variant", v))])
+
+    def refused(*variants: str) -> str:
+        assert sweep(*variants) == 2
+        return capsys.readouterr().err
+    # the first variant's own NUM_LAYERS=9: b, with NUM_LAYERS unset, would have the default 11
+    err = refused("a=NUM_LAYERS=9", "b=EMBED_BITS=6")
+    assert "variant b: NUM_LAYERS=11 (unset: the default)" in err and "has NUM_LAYERS=9" in err, err
+    err = refused("a=", "b=EMBED_BITS=6", "c=MODEL_DIM=256")  # one that sets a model setting of its own
+    assert "variant c: MODEL_DIM=256," in err and "has MODEL_DIM=512" in err, err
+    err = refused("a=AUTO_SIZE=0.9", "b=MLP_MULT=3")  # AUTO_SIZE fits MLP_MULT in training: not known before
+    assert "variant b: MLP_MULT=3" in err and "AUTO_SIZE=0.9" in err, err
+    assert not (tmp_path / "logs").exists()
+    for ok in (["a=NUM_LAYERS=9", "b=NUM_LAYERS=9 EMBED_BITS=6"], ["a=", "b=NUM_LAYERS=11 EMBED_BITS=6"],
+               ["a=AUTO_SIZE=0.9", "b=EMBED_BITS=6"]):
+        assert sweep(*ok) == 0, capsys.readouterr().err
+    monkeypatch.setenv("NUM_LAYERS", "9")  # the environment's 9 reaches b as it reaches a
+    assert sweep("a=", "b=EMBED_BITS=6") == 0, capsys.readouterr().err
+    assert sweep("a=", "b=NUM_LAYERS=9 EMBED_BITS=6") == 0, capsys.readouterr().err
+    assert "variant b: NUM_LAYERS=10," in refused("a=", "b=NUM_LAYERS=10")

@@ -210,6 +210,7 @@ def _run_with_fake_clock(dataset, tokenizer_path, monkeypatch, step_ms, ema_ms, 
         clock.ms += log_ms
         return float(loss)
     tr.step, tr.mean_loss = fake_step, fake_mean_loss
+    tr.save_checkpoint = lambda ema, clock: lines.append(f"(checkpoint at step {clock['step']})")  # no disk here
     def ema_update(progress_delta):
         deltas.append(progress_delta)
         clock.ms += ema_ms
@@ -322,6 +323,7 @@ def _rank_trainer(rank: int, world_size: int, data_path: str, tok_path: str, ste
         clock.ms += step_ms(step)
         return torch.tensor(1.0)
     tr.step = fake_step
+    tr.save_checkpoint = lambda ema, clock: steps.append(("checkpoint", clock["step"]))
     return tr, steps
 
 

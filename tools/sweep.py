@@ -5,13 +5,16 @@
         --variant base="" --variant lr30="MATRIX_LR=0.03" [--base "K=V ..."] [--gpus-per-run N] [--plot]
     python3 tools/sweep.py ... --dry-run          # the command of each run and its GPU; no data, no GPU needed
 
-Settings are layered preset < --base < --variant, each a string of `K=V` words (shell quoting allowed); every
-one goes through train_gpt.py's own strict parsing before the first run starts, so a typo stops the sweep at
-once, naming the setting. The runner sets RUN_ID (<sweep>_<variant>_s<seed>), SEED and ARTIFACT_PATH itself.
-SCRIPT=path in a variant runs that variant with another copy of train_gpt.py (a code change's before/after),
-its settings checked by that copy's parser. --export-only: the first variant trains and the others only export
-and score its final checkpoint again (RESUME), with their own export settings: quantisers and coders compared
-on the same weights, at a fraction of a run's cost.
+Settings are layered calling environment < preset < --base < --variant, each a string of `K=V` words (shell
+quoting allowed); every one goes through train_gpt.py's own strict parsing before the first run starts, so a
+typo stops the sweep at once, naming the setting. The runner sets RUN_ID (<sweep>_<variant>_s<seed>), SEED and
+ARTIFACT_PATH itself. SCRIPT=path in a variant runs that variant with another copy of train_gpt.py (a code
+change's before/after), its settings checked by that copy's parser. --export-only: the first variant trains and
+the others only export and score its final checkpoint again (RESUME), with their own export settings:
+quantisers and coders compared on the same weights, at a fraction of a run's cost. Each export run has the
+settings a training run of its variant would have (a key the first variant sets and an export variant leaves to
+the environment is set back to its default, else it would come from the checkpoint); one whose model settings
+(MODEL_SETTINGS, e.g. NUM_LAYERS) differ from the first variant's is refused before any run.
 Runs start in the calling directory: logs/<RUN_ID>.txt (the script's log), logs/<RUN_ID>.out (everything the
 run printed), logs/<RUN_ID>.int6.ptz (its artifact), and at the end logs/<sweep>.json (the table, every run's
 numbers and where its wall time went). With no visible GPU the runs go one at a time on the CPU.
@@ -156,6 +159,41 @@ def check_settings(tg, name: str, settings: dict[str, str], world_size: int) -> 
         tg.Hyperparameters.from_env(dict(os.environ, **settings, RUN_ID="check"))
     except ValueError as e:
         raise SweepError(f"variant {name}, with the calling environment: {e}") from None
+
+
+def export_settings(modules: dict, variants: dict[str, dict[str, str]]) -> None:
+    """--export-only: give every export variant (all but the first) the settings a training run of it would have
+    (calling environment < preset < --base < --variant), although it runs with RESUME=the first variant's
+    checkpoint, from which train_gpt.py takes every setting its environment leaves unset. The environment reaches
+    an export run as it reaches a training run; a key the first variant sets, which neither the environment nor
+    the export variant sets, is set to its default. A variant whose model (MODEL_SETTINGS) differs from the
+    first variant's is refused: it would score another model's settings on the trained weights. modules: each
+    variant's script module."""
+    first, *others = variants
+    tg = modules[first]
+    env = {name: dict(os.environ, **settings, RUN_ID="check") for name, settings in variants.items()}  # checked
+    trained = tg.Hyperparameters.from_env(env[first])[0]
+    fitted = None  # AUTO_SIZE: the setting that training fits to the size limit, its value unknown before
+    if trained.auto_size > 0 and hasattr(tg, "fit_to_limit"):
+        fitted = next((k for k in ("MLP_MULT", "BIGRAM_VOCAB_SIZE") if k not in env[first]), None)
+    model = getattr(tg, "MODEL_SETTINGS", ())
+    for name in others:
+        settings, mine = variants[name], modules[name].Hyperparameters.from_env(env[name])[0]
+        for n in model:
+            key, theirs, ours = n.upper(), getattr(trained, n), getattr(mine, n, None)
+            if key == fitted and key in settings:
+                raise SweepError(f"variant {name}: {key}={settings[key]}, but the first variant ({first}) sets "
+                                 f"AUTO_SIZE={trained.auto_size}: its training fits {key}, a model setting, which "
+                                 "an export variant (--export-only) keeps: leave it unset")
+            if key != fitted and ours != theirs:
+                unset = "" if key in env[name] else " (unset: the default)"
+                raise SweepError(f"variant {name}: {key}={ours}{unset}, but the first variant ({first}), whose "
+                                 f"trained model it exports (--export-only), has {key}={theirs}: a model setting "
+                                 "(train_gpt.py's MODEL_SETTINGS) must be the same in every variant (set it in "
+                                 "--base)")
+        defaults = {f.name.upper(): f.default for f in dataclasses.fields(modules[name].Hyperparameters)}
+        settings |= {k: str(int(defaults[k]) if isinstance(defaults[k], bool) else defaults[k])
+                     for k in variants[first] if k in defaults and k not in settings and k not in os.environ}
 
 
 def visible_gpus() -> list[str]:
@@ -536,12 +574,8 @@ def build(args: argparse.Namespace):
             modules[scripts[name]] = load_script(scripts[name])
         check_settings(modules[scripts[name]], name, settings, args.gpus_per_run)
     tg = modules[scripts[next(iter(variants))]]
-    if args.export_only:  # a key an export variant leaves unset would come from the checkpoint (the first variant's)
-        defaults = {f.name.upper(): f.default for f in dataclasses.fields(tg.Hyperparameters)}
-        keys = set().union(*variants.values())
-        for name, settings in list(variants.items())[1:]:
-            settings |= {k: str(int(defaults[k]) if isinstance(defaults[k], bool) else defaults[k])
-                         for k in keys - set(settings) if k in defaults}
+    if args.export_only:
+        export_settings({name: modules[scripts[name]] for name in variants}, variants)
     runs, slots = plan_runs(sweep, variants, seeds, scripts, args.gpus_per_run, visible_gpus(), args.export_only)
     if preset and preset.train_shards and not args.dry_run:
         for name, settings in variants.items():

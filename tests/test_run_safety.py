@@ -1,0 +1,267 @@
+"""Issue 36: no interrupt, path or mismatched file loses a trained model or prints a wrong score. Whole runs as a user
+makes them (signals, a wrong tokenizer, outputs that exist), and the pieces behind them (the claim of a RUN_ID, the
+checkpoint's checksum, the messages of bad settings)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_VOCAB, run_script, run_script_interrupted, sample_text, tiny_env, write_shard
+
+import train_gpt as tg
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def log_of(cwd: Path, run_id: str) -> str:
+    return (cwd / "logs" / f"{run_id}.txt").read_text()
+
+
+def exact(log: str, key: str) -> str:
+    return re.search(rf"^{key}_exact .*$", log, re.M).group(0)
+
+
+@pytest.fixture(scope="module")
+def baseline(dataset, tokenizer_path, tmp_path_factory):
+    """An uninterrupted tiny run (6 steps): its folder; it leaves no checkpoint (CHECKPOINT_EVERY=0)."""
+    cwd = tmp_path_factory.mktemp("baseline")
+    r = run_script(tiny_env(dataset, tokenizer_path, ITERATIONS=6, RUN_ID="base"), cwd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return cwd
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer(tmp_path_factory) -> Path:
+    """A tokenizer of the same vocabulary size and settings, trained on other text (the words reversed)."""
+    import sentencepiece as spm
+    d = tmp_path_factory.mktemp("other_tok")
+    corpus = d / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(w[::-1] for w in doc.split()) for doc in sample_text(400, seed=5)))
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(d / "other"), model_type="bpe", vocab_size=TINY_VOCAB, byte_fallback=True,
+        split_digits=True, normalization_rule_name="nmt_nfkc", add_dummy_prefix=False, pad_id=0, bos_id=1, eos_id=2,
+        unk_id=3, character_coverage=1.0, num_threads=1, minloglevel=2)
+    return d / "other.model"
+
+
+# =============================================================================================
+# 3. No trained model is lost
+# =============================================================================================
+
+def test_a_finished_run_leaves_no_checkpoint_and_records_the_tokenizer(baseline, tokenizer_path):
+    assert not (baseline / "logs" / "base.ckpt").exists()  # written when training ended, removed once scored
+    sha = hashlib.sha256(tokenizer_path.read_bytes()).hexdigest()
+    assert f"tokenizer path:{tokenizer_path} sha256:{sha}" in log_of(baseline, "base")
+    header, _ = tg.read_artifact(baseline / "logs" / "base.int6.ptz")
+    assert header["tokenizer_sha256"] == sha
+
+
+def test_sigterm_while_scoring_before_export_leaves_the_trained_state_and_says_how_to_finish(
+        baseline, dataset, tokenizer_path, tmp_path):
+    """It used to exit 143 with no checkpoint, no artifact and no log line. Now the trained state is on disk when
+    training ends; RESUME=it exports and scores, with the uninterrupted run's scores."""
+    env = tiny_env(dataset, tokenizer_path, ITERATIONS=6, RUN_ID="base")
+    rc, out, err = run_script_interrupted(env, tmp_path, after="train_done ", sig=signal.SIGTERM)
+    assert rc == 128 + signal.SIGTERM, err[-3000:]
+    hint = "interrupted by SIGTERM: finish with RESUME=logs/base.ckpt (the same settings)"
+    assert f"error: {hint} (DEBUG=1 shows the traceback)" in err.splitlines()
+    assert log_of(tmp_path, "base").strip().splitlines()[-1] == f"error Interrupted: {hint}"
+    assert (tmp_path / "logs" / "base.ckpt").is_file() and not (tmp_path / "logs" / "base.int6.ptz").exists()
+    r = run_script(dict(env, RESUME="logs/base.ckpt"), tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed, base = log_of(tmp_path, "base_2"), log_of(baseline, "base")
+    assert "\nwarmup_step:" not in resumed
+    for key in ("post_ema", "final_int6_roundtrip", "final_int6_sliding_window"):
+        assert exact(resumed, key) == exact(base, key)
+
+
+def test_sigterm_after_export_says_to_score_the_artifact(dataset, tokenizer_path, tmp_path):
+    env = tiny_env(dataset, tokenizer_path, ITERATIONS=4, RUN_ID="late")
+    rc, out, err = run_script_interrupted(env, tmp_path, after="final_int6_roundtrip ", sig=signal.SIGTERM)
+    assert rc == 128 + signal.SIGTERM, err[-3000:]
+    assert "error: interrupted by SIGTERM: score the artifact with EVAL_ONLY=logs/late.int6.ptz" in err
+    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY="logs/late.int6.ptz", RUN_ID="late_eval"), tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_an_interrupt_before_training_says_no_checkpoint_was_written(dataset, tokenizer_path, tmp_path):
+    env = tiny_env(dataset, tokenizer_path, RUN_ID="warm")
+    rc, out, err = run_script_interrupted(env, tmp_path, after="warmup_step:1/", sig=signal.SIGINT)
+    assert rc == 128 + signal.SIGINT, err[-3000:]
+    assert "error: interrupted by SIGINT: no checkpoint was written, the training is lost" in err, err[-3000:]
+
+
+def test_a_second_signal_within_a_step_stops_at_once_without_a_checkpoint(dataset, tokenizer_path, monkeypatch,
+                                                                          tmp_path):
+    """The first SIGINT asks for a checkpoint at the next step's start; a second one within the step stops now (the
+    step's state is half-updated, so nothing is written) and main() then says that no checkpoint was written."""
+    from test_training import make_trainer
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs").mkdir()
+    before = signal.signal(signal.SIGINT, tg.raise_interrupted)  # as main() installs it
+    try:
+        tr = make_trainer(dataset, tokenizer_path, ITERATIONS=6, LATE_QAT_THRESHOLD=0, RUN_ID="twice")
+
+        def step(k, lr_scale):
+            if k == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+            return torch.tensor(1.0)
+        tr.step = step
+        with pytest.raises(tg.Interrupted):
+            tr.train(scorer=None, ema=None)
+        assert not tr.ckpt_path.exists()
+        assert signal.getsignal(signal.SIGINT) is tg.raise_interrupted  # the loop put main()'s handler back
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+# =============================================================================================
+# 4. The tokenizer is the data's
+# =============================================================================================
+
+def test_a_tokenizer_that_is_not_the_datas_is_refused(dataset, tokenizer_path, other_tokenizer, tmp_path):
+    """Another 512-token tokenizer used to train and score (a wrong val_bpb, exit 0)."""
+    r = run_script(tiny_env(dataset, other_tokenizer, RUN_ID="wrong"), tmp_path)
+    assert r.returncode == 1 and "step:" not in r.stdout, r.stdout[-2000:]
+    assert re.search(r"TOKENIZER_PATH re-encodes only \d+ of the first 39 documents of .*fineweb_val_000000.bin into "
+                     r"their ids: it is not the tokenizer these shards were made with", r.stderr), r.stderr[-2000:]
+    # the training shards are checked too (EVAL_ONLY reads only the validation shards)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "fineweb_val_000000.bin").write_bytes((dataset / "fineweb_val_000000.bin").read_bytes())
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=str(other_tokenizer))
+    write_shard(mixed / "fineweb_train_000000.bin", [t for d in sample_text(60, seed=9) for t in [1] + sp.encode(d)])
+    r = run_script(tiny_env(mixed, tokenizer_path, RUN_ID="mixed"), tmp_path)
+    assert r.returncode == 1 and "documents of " in r.stderr and "fineweb_train_000000.bin" in r.stderr, r.stderr
+
+
+def test_eval_only_and_resume_with_another_tokenizer_stop_naming_both(baseline, dataset, tokenizer_path,
+                                                                      other_tokenizer, tmp_path):
+    ours, other = (hashlib.sha256(p.read_bytes()).hexdigest() for p in (tokenizer_path, other_tokenizer))
+    artifact = baseline / "logs" / "base.int6.ptz"
+    r = run_script(tiny_env(dataset, other_tokenizer, EVAL_ONLY=artifact, RUN_ID="e"), tmp_path)
+    assert r.returncode == 1
+    assert (f"TOKENIZER_PATH {other_tokenizer} (sha256 {other}) is not the tokenizer artifact {artifact} was made "
+            f"with (sha256 {ours})") in r.stderr, r.stderr[-2000:]
+    env = tiny_env(dataset, tokenizer_path, ITERATIONS=2, RUN_ID="ck", CHECKPOINT_EVERY=1000)
+    assert run_script(env, tmp_path).returncode == 0
+    assert tg.read_checkpoint(str(tmp_path / "logs" / "ck.ckpt"))["tokenizer_sha256"] == ours
+    r = run_script(dict(env, RESUME="logs/ck.ckpt", TOKENIZER_PATH=str(other_tokenizer)), tmp_path)
+    assert r.returncode == 1 and f"is not the tokenizer checkpoint logs/ck.ckpt was made with (sha256 {ours})" \
+        in r.stderr, r.stderr[-2000:]
+
+
+# =============================================================================================
+# 5. Outputs never overwrite
+# =============================================================================================
+
+@pytest.mark.parametrize("path", ["logs/old.txt", "logs/other.int6.ptz", "logs/new.txt", "logs/x.ckpt"])
+def test_an_artifact_path_that_exists_or_names_a_log_is_refused_at_the_start(dataset, tokenizer_path, tmp_path, path):
+    """It used to replace another run's log (or its own) with the artifact, after training."""
+    (tmp_path / "logs").mkdir()
+    for name in ("old.txt", "other.int6.ptz"):
+        (tmp_path / "logs" / name).write_text("keep me")
+    r = run_script(tiny_env(dataset, tokenizer_path, ARTIFACT_PATH=path, RUN_ID="new"), tmp_path)
+    assert r.returncode == 1 and "step:" not in r.stdout
+    assert f"error: FileExistsError: ARTIFACT_PATH {path} " in r.stderr, r.stderr[-2000:]
+    assert all((tmp_path / "logs" / n).read_text() == "keep me" for n in ("old.txt", "other.int6.ptz"))
+    assert not (tmp_path / "logs" / "new.txt").exists()
+
+
+def test_a_run_id_is_claimed_atomically(tmp_path, monkeypatch):
+    """The log is created exclusively: a run that took the name between another's look and its claim keeps it (two
+    runs started together used to share a log). A name whose checkpoint or artifact is left also moves on."""
+    monkeypatch.chdir(tmp_path)
+    cfg = tg.Hyperparameters(run_id="r")
+    (tmp_path / "logs").mkdir()
+    with monkeypatch.context() as m:
+        m.setattr(Path, "exists", lambda self: False)  # every look says "free": only the exclusive create decides
+        first, second = tg.claim_outputs(cfg, tg.Runtime()), tg.claim_outputs(cfg, tg.Runtime())
+    assert (first.run_id, second.run_id) == ("r", "r_2")
+    assert second.artifact_path == str(Path("logs") / "r_2.int6.ptz")
+    (tmp_path / "logs" / "r_3.ckpt").write_bytes(b"")
+    assert tg.claim_outputs(cfg, tg.Runtime()).run_id == "r_4"
+
+
+# =============================================================================================
+# 6. Checkpoints carry a checksum
+# =============================================================================================
+
+def test_a_flipped_byte_in_a_checkpoint_is_refused(dataset, tokenizer_path, monkeypatch, tmp_path):
+    """It used to resume and end with another score."""
+    from test_training import make_trainer
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs").mkdir()
+    tr = make_trainer(dataset, tokenizer_path, RUN_ID="flip")
+    tr.save_checkpoint(None, dict(tr.clock))
+    good = tr.ckpt_path.read_bytes()
+    assert tg.read_checkpoint(str(tr.ckpt_path))["clock"]["step"] == 0
+    for at in (len(good) // 2, len(good) - 1, len(tg.CHECKPOINT_MAGIC) + 3):  # a weight, the end, the checksum
+        bad = bytearray(good)
+        bad[at] ^= 0x10
+        tr.ckpt_path.write_bytes(bytes(bad))
+        with pytest.raises(ValueError, match=r"RESUME logs/flip.ckpt is corrupt: its checksum does not match"):
+            tg.read_checkpoint("logs/flip.ckpt")
+    (tmp_path / "a.ptz").write_bytes(tg.ARTIFACT_MAGIC + b"\0rest")
+    with pytest.raises(ValueError, match=r"^RESUME a.ptz is an artifact: score it with EVAL_ONLY=a.ptz$"):
+        tg.read_checkpoint("a.ptz")  # it used to print torch's weights_only advice
+
+
+# =============================================================================================
+# 9. Messages a user can act on
+# =============================================================================================
+
+@pytest.mark.parametrize("env, message", [
+    ({"MODEL_DIM": "30", "NUM_HEADS": "4"}, "MODEL_DIM=30 must divide by NUM_HEADS=4"),
+    ({"NUM_HEADS": "8", "NUM_KV_HEADS": "3"}, "NUM_HEADS=8 must divide by NUM_KV_HEADS=3"),
+    ({"SEED": "-1"}, "SEED=-1 is out of range: numpy's seeds are 0..2^32-1"),
+    ({"SEED": str(2 ** 32)}, f"SEED={2 ** 32} is out of range"),
+    ({"MLP_MULT": "0.001"}, "MLP_MULT=0.001 x MODEL_DIM=512 rounds to an MLP of 0 units"),
+    ({"LATE_QAT_THRESHOLD": "1.5"}, "LATE_QAT_THRESHOLD=1.5 is out of range"),
+    ({"num_layers": "5"}, "setting num_layers='5' is not read: settings are upper case (NUM_LAYERS)"),
+])
+def test_bad_settings_are_one_clear_error(env, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tg.Hyperparameters.from_env(env)
+
+
+def test_settings_that_would_do_nothing_are_reported():
+    _, warnings = tg.Hyperparameters.from_env({"TTT_LORA_RANK": "8", "LOOP_START": "2", "GPTQ_RESERVE_SECONDS": "1"})
+    assert warnings == ["setting TTT_LORA_RANK is ignored: TTT_ENABLED=False turns its feature off",
+                        "setting LOOP_START is ignored: NUM_LOOPS=0 turns its feature off",
+                        "setting GPTQ_RESERVE_SECONDS is ignored: GPTQ_CALIBRATION_BATCHES=0 turns its feature off"]
+    _, warnings = tg.Hyperparameters.from_env({"MAX_WALLCLOCK_SECONDS": "0", "ITERATIONS": "100"})
+    assert warnings == ["WARMDOWN_ITERS=3500 > ITERATIONS=100 (a step-capped run): the lr starts at 0.029 of its peak"]
+    assert tg.Hyperparameters.from_env({"ITERATIONS": "100"})[1] == []  # capped: the warmdown is by wallclock
+
+
+def test_a_full_disk_names_the_file(tmp_path, monkeypatch):
+    def full(self, data):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.raises(OSError, match=re.escape(f"No space left on device (writing {tmp_path / 'a.ckpt'}, 3 bytes)")):
+        tg.write_atomic(tmp_path / "a.ckpt", b"abc")
+
+
+def test_resume_on_other_data_is_one_line(dataset, tokenizer_path, tmp_path):
+    """RESUME with fewer shards or another TRAIN_SAMPLING used to end in IndexError / KeyError (or read other data)."""
+    one = tmp_path / "one"
+    one.mkdir()
+    for f in ("fineweb_val_000000.bin", "fineweb_train_000000.bin"):
+        (one / f).write_bytes((dataset / f).read_bytes())
+    env = tiny_env(dataset, tokenizer_path, ITERATIONS=3, RUN_ID="d", CHECKPOINT_EVERY=1000)
+    assert run_script(env, tmp_path).returncode == 0
+    for more, want in (({"DATA_PATH": str(one)}, "over 1 shards"), ({"TRAIN_SAMPLING": "coprime"}, "=coprime over 2")):
+        r = run_script(dict(env, RESUME="logs/d.ckpt", ITERATIONS="6", **more), tmp_path)
+        errors = [x for x in r.stderr.splitlines() if x.startswith("error")]
+        assert r.returncode == 1 and "Traceback" not in r.stderr and len(errors) == 1, r.stderr[-2000:]
+        assert "the checkpoint's data position is in TRAIN_SAMPLING=sequential over 2 shards" in errors[0]
+        assert want in errors[0]
