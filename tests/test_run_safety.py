@@ -9,10 +9,11 @@ import re
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_VOCAB, run_script, run_script_interrupted, sample_text, tiny_env, write_shard
+from conftest import TINY_VOCAB, make_cfg, run_script, run_script_interrupted, sample_text, tiny_env
 
 import train_gpt as tg
 
@@ -72,7 +73,9 @@ def test_sigterm_while_scoring_before_export_leaves_the_trained_state_and_says_h
     hint = "interrupted by SIGTERM: finish with RESUME=logs/base.ckpt (the same settings)"
     assert f"error: {hint} (DEBUG=1 shows the traceback)" in err.splitlines()
     assert log_of(tmp_path, "base").strip().splitlines()[-1] == f"error Interrupted: {hint}"
-    assert (tmp_path / "logs" / "base.ckpt").is_file() and not (tmp_path / "logs" / "base.int6.ptz").exists()
+    assert not (tmp_path / "logs" / "base.int6.ptz").exists()
+    sha = hashlib.sha256(tokenizer_path.read_bytes()).hexdigest()
+    assert tg.read_checkpoint(str(tmp_path / "logs" / "base.ckpt"))["tokenizer_sha256"] == sha
     r = run_script(dict(env, RESUME="logs/base.ckpt"), tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     resumed, base = log_of(tmp_path, "base_2"), log_of(baseline, "base")
@@ -86,8 +89,7 @@ def test_sigterm_after_export_says_to_score_the_artifact(dataset, tokenizer_path
     rc, out, err = run_script_interrupted(env, tmp_path, after="final_int6_roundtrip ", sig=signal.SIGTERM)
     assert rc == 128 + signal.SIGTERM, err[-3000:]
     assert "error: interrupted by SIGTERM: score the artifact with EVAL_ONLY=logs/late.int6.ptz" in err
-    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY="logs/late.int6.ptz", RUN_ID="late_eval"), tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    tg.read_artifact(tmp_path / "logs" / "late.int6.ptz")  # whole: EVAL_ONLY scores it
 
 
 def test_an_interrupt_before_training_says_no_checkpoint_was_written(dataset, tokenizer_path, tmp_path):
@@ -132,15 +134,13 @@ def test_a_tokenizer_that_is_not_the_datas_is_refused(dataset, tokenizer_path, o
     assert r.returncode == 1 and "step:" not in r.stdout, r.stdout[-2000:]
     assert re.search(r"TOKENIZER_PATH re-encodes only \d+ of the first 39 documents of .*fineweb_val_000000.bin into "
                      r"their ids: it is not the tokenizer these shards were made with", r.stderr), r.stderr[-2000:]
-    # the training shards are checked too (EVAL_ONLY reads only the validation shards)
-    mixed = tmp_path / "mixed"
-    mixed.mkdir()
-    (mixed / "fineweb_val_000000.bin").write_bytes((dataset / "fineweb_val_000000.bin").read_bytes())
+    # the training shards are checked too (EVAL_ONLY reads only the validation shards): another tokenizer's data
     import sentencepiece as spm
-    sp = spm.SentencePieceProcessor(model_file=str(other_tokenizer))
-    write_shard(mixed / "fineweb_train_000000.bin", [t for d in sample_text(60, seed=9) for t in [1] + sp.encode(d)])
-    r = run_script(tiny_env(mixed, tokenizer_path, RUN_ID="mixed"), tmp_path)
-    assert r.returncode == 1 and "documents of " in r.stderr and "fineweb_train_000000.bin" in r.stderr, r.stderr
+    ours, other = (spm.SentencePieceProcessor(model_file=str(p)) for p in (tokenizer_path, other_tokenizer))
+    shard = np.array([t for d in sample_text(60, seed=9) for t in [1] + other.encode(d)], dtype=np.uint16)
+    tg.check_tokenizer(other, shard, "theirs")
+    with pytest.raises(ValueError, match=r"re-encodes only \d+ of the first 50 documents of ours into their ids"):
+        tg.check_tokenizer(ours, shard, "ours")
 
 
 def test_eval_only_and_resume_with_another_tokenizer_stop_naming_both(baseline, dataset, tokenizer_path,
@@ -151,10 +151,13 @@ def test_eval_only_and_resume_with_another_tokenizer_stop_naming_both(baseline, 
     assert r.returncode == 1
     assert (f"TOKENIZER_PATH {other_tokenizer} (sha256 {other}) is not the tokenizer artifact {artifact} was made "
             f"with (sha256 {ours})") in r.stderr, r.stderr[-2000:]
-    env = tiny_env(dataset, tokenizer_path, ITERATIONS=2, RUN_ID="ck", CHECKPOINT_EVERY=1000)
-    assert run_script(env, tmp_path).returncode == 0
-    assert tg.read_checkpoint(str(tmp_path / "logs" / "ck.ckpt"))["tokenizer_sha256"] == ours
-    r = run_script(dict(env, RESUME="logs/ck.ckpt", TOKENIZER_PATH=str(other_tokenizer)), tmp_path)
+    from test_training import make_trainer  # a checkpoint as a run writes it (a real run's: the SIGTERM test above)
+    (tmp_path / "logs").mkdir()
+    tr = make_trainer(dataset, tokenizer_path, RUN_ID="ck")
+    tr.ckpt_path, tr.tokenizer_sha256 = tmp_path / "logs" / "ck.ckpt", ours
+    tr.save_checkpoint(None, dict(tr.clock, done=True))
+    env = tiny_env(dataset, other_tokenizer, RUN_ID="ck", RESUME="logs/ck.ckpt")
+    r = run_script(env, tmp_path)
     assert r.returncode == 1 and f"is not the tokenizer checkpoint logs/ck.ckpt was made with (sha256 {ours})" \
         in r.stderr, r.stderr[-2000:]
 
@@ -163,17 +166,24 @@ def test_eval_only_and_resume_with_another_tokenizer_stop_naming_both(baseline, 
 # 5. Outputs never overwrite
 # =============================================================================================
 
-@pytest.mark.parametrize("path", ["logs/old.txt", "logs/other.int6.ptz", "logs/new.txt", "logs/x.ckpt"])
-def test_an_artifact_path_that_exists_or_names_a_log_is_refused_at_the_start(dataset, tokenizer_path, tmp_path, path):
+def test_an_artifact_path_that_exists_or_names_a_log_is_refused_at_the_start(dataset, tokenizer_path, tmp_path,
+                                                                             monkeypatch):
     """It used to replace another run's log (or its own) with the artifact, after training."""
     (tmp_path / "logs").mkdir()
     for name in ("old.txt", "other.int6.ptz"):
         (tmp_path / "logs" / name).write_text("keep me")
-    r = run_script(tiny_env(dataset, tokenizer_path, ARTIFACT_PATH=path, RUN_ID="new"), tmp_path)
+    r = run_script(tiny_env(dataset, tokenizer_path, ARTIFACT_PATH="logs/old.txt", RUN_ID="new"), tmp_path)
     assert r.returncode == 1 and "step:" not in r.stdout
-    assert f"error: FileExistsError: ARTIFACT_PATH {path} " in r.stderr, r.stderr[-2000:]
+    assert "error: FileExistsError: ARTIFACT_PATH logs/old.txt exists: a run never overwrites a file" in r.stderr
+    monkeypatch.chdir(tmp_path)
+    for path, why in (("logs/other.int6.ptz", "exists"), ("logs/new.txt", "is named like a log or checkpoint"),
+                      ("logs/x.ckpt", "is named like a log or checkpoint")):
+        with pytest.raises(FileExistsError, match=f"ARTIFACT_PATH {path} {why}"):
+            tg.claim_outputs(tg.Hyperparameters(run_id="new", artifact_path=path), tg.Runtime())
     assert all((tmp_path / "logs" / n).read_text() == "keep me" for n in ("old.txt", "other.int6.ptz"))
-    assert not (tmp_path / "logs" / "new.txt").exists()
+    assert not (tmp_path / "logs" / "new.txt").exists()  # a refused run claims no name
+    # EVAL_ONLY writes no artifact: its ARTIFACT_PATH is not its business
+    tg.claim_outputs(tg.Hyperparameters(run_id="ev", artifact_path="logs/old.txt", eval_only="a.ptz"), tg.Runtime())
 
 
 def test_a_run_id_is_claimed_atomically(tmp_path, monkeypatch):
@@ -244,6 +254,11 @@ def test_settings_that_would_do_nothing_are_reported():
 
 
 def test_a_full_disk_names_the_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "full.txt").symlink_to("/dev/full")  # every write: ENOSPC, "[Errno 28]" alone named no file
+    with pytest.raises(OSError, match=re.escape("No space left on device (writing logs/full.txt)")):
+        tg.Logger("full", True)("a line")
     def full(self, data):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(Path, "write_bytes", full)
@@ -251,17 +266,19 @@ def test_a_full_disk_names_the_file(tmp_path, monkeypatch):
         tg.write_atomic(tmp_path / "a.ckpt", b"abc")
 
 
-def test_resume_on_other_data_is_one_line(dataset, tokenizer_path, tmp_path):
-    """RESUME with fewer shards or another TRAIN_SAMPLING used to end in IndexError / KeyError (or read other data)."""
+def test_resume_on_other_data_is_refused_naming_both(dataset, tokenizer_path, tmp_path):
+    """RESUME with fewer shards or another TRAIN_SAMPLING used to end in IndexError / KeyError (or read other data):
+    a data position is one in its data, and loading it elsewhere is a ValueError (one line, as every ValueError)."""
     one = tmp_path / "one"
     one.mkdir()
     for f in ("fineweb_val_000000.bin", "fineweb_train_000000.bin"):
         (one / f).write_bytes((dataset / f).read_bytes())
-    env = tiny_env(dataset, tokenizer_path, ITERATIONS=3, RUN_ID="d", CHECKPOINT_EVERY=1000)
-    assert run_script(env, tmp_path).returncode == 0
-    for more, want in (({"DATA_PATH": str(one)}, "over 1 shards"), ({"TRAIN_SAMPLING": "coprime"}, "=coprime over 2")):
-        r = run_script(dict(env, RESUME="logs/d.ckpt", ITERATIONS="6", **more), tmp_path)
-        errors = [x for x in r.stderr.splitlines() if x.startswith("error")]
-        assert r.returncode == 1 and "Traceback" not in r.stderr and len(errors) == 1, r.stderr[-2000:]
-        assert "the checkpoint's data position is in TRAIN_SAMPLING=sequential over 2 shards" in errors[0]
-        assert want in errors[0]
+    loader = lambda data, **more: tg.TrainLoader(tg.shard_files(str(data), "train"), make_cfg(
+        **tiny_env(data, tokenizer_path, **more)), tg.Runtime())
+    state = loader(dataset).state_dict()
+    loader(dataset).load_state_dict(state)  # the same data: fine
+    for other, want in ((loader(one), "this run reads TRAIN_SAMPLING=sequential over 1 shards"),
+                        (loader(dataset, TRAIN_SAMPLING="coprime"), "this run reads TRAIN_SAMPLING=coprime over 2")):
+        with pytest.raises(ValueError, match="the checkpoint's data position is in TRAIN_SAMPLING=sequential over "
+                                             f"2 shards of \\d+ tokens; {want}"):
+            other.load_state_dict(state)
