@@ -256,11 +256,15 @@ def test_doc_isolation_refuses_the_smear_without_its_bos_fix_and_gpu_backends(mo
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)  # and keep this process's SDPA backends
     for kind in ("flash", "cudnn", "mem_efficient", "math"):
         monkeypatch.setattr(torch.backends.cuda, f"enable_{kind}_sdp", lambda on: None)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
-    for ttt in (dict(TTT_ENABLED=0), dict(TTT_ENABLED=1, TTT_MODE="lora"), dict(TTT_ENABLED=1, TTT_MODE="sgd", TTT_EPOCHS=0)):
-        rt = tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", EVAL_ONLY="a.ptz", **ttt), {})
-        assert rt.attn_backend == "cudnn"  # scoring rows hold one document: no mask
+    # the TF32 flags by hand: pytest 9.2's monkeypatch deletes, on undo, what cuBLASModule's __getattr__ serves
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for ttt in (dict(TTT_ENABLED=0), dict(TTT_ENABLED=1, TTT_MODE="lora"),
+                    dict(TTT_ENABLED=1, TTT_MODE="sgd", TTT_EPOCHS=0)):
+            rt = tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", EVAL_ONLY="a.ptz", **ttt), {})
+            assert rt.attn_backend == "cudnn"  # scoring rows hold one document: no mask
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
 @pytest.mark.parametrize("name", ["full", "gates"])
