@@ -80,7 +80,8 @@ def test_ci_runs_exactly_the_readme_quickstart_commands():
     install, test = cmds
     assert install.startswith("python3 -m pip install torch==2.13.0 -r requirements.txt pytest ")
     assert "triton==3.9.0" in install.split("&&")[0]  # the kernel tests run in Triton's CPU interpreter
-    assert test == "python3 -m pytest -q -rs tests"  # -rs: every skip shows its reason
+    assert "pytest-xdist" in install.split("&&")[0]  # -n 2: the tests in two processes
+    assert test == "python3 -m pytest -q -rs -n 2 --dist worksteal tests"  # -rs: every skip shows its reason
     printed = subprocess.run(["bash", str(ROOT / ".ci" / "run"), "--print"], capture_output=True, text=True,
                              timeout=60, check=True).stdout.splitlines()
     assert printed == cmds
