@@ -72,10 +72,10 @@ TTT_MODE_SETTINGS = {"sgd": ("ttt_lr", "ttt_epochs", "ttt_chunk_tokens", "ttt_fr
                               "ttt_chunk_size", "ttt_batch_size")}
 # The settings a feature reads only when it is on (setting one with the feature off is reported, not silently ignored).
 FEATURE_SETTINGS = {"ttt_enabled": ("ttt_mode",) + sum(TTT_MODE_SETTINGS.values(), ()),
-                    "num_loops": ("loop_start", "loop_end", "enable_looping_at"), "ema_enabled": ("ema_horizon", "ema_decay"),
-                    "gptq_calibration_batches": ("gptq_reserve_seconds",), "bigram_vocab_size": ("bigram_dim",),
-                    "ve_enabled": ("ve_dim", "ve_layers"), "sparse_attn_gate_enabled": ("sparse_attn_gate_scale",
-                                                                                       "sparse_attn_gate_init_std")}
+                    "num_loops": ("loop_start", "loop_end", "enable_looping_at"),
+                    "ema_enabled": ("ema_horizon", "ema_decay"), "bigram_vocab_size": ("bigram_dim",),
+                    "ve_enabled": ("ve_dim", "ve_layers"),
+                    "sparse_attn_gate_enabled": ("sparse_attn_gate_scale", "sparse_attn_gate_init_std")}
 
 
 # Value ranges, checked before anything runs (a zero head count or a negative learning rate is a typo, not a run).
@@ -251,16 +251,21 @@ class Hyperparameters:
         values["run_id"] = values.get("run_id") or str(uuid.uuid4())
         cfg = cls(**values)
         cfg.validate()
-        for mode, names in TTT_MODE_SETTINGS.items():
-            warnings += [f"setting {n.upper()} is TTT_MODE={mode}'s; TTT_MODE={cfg.ttt_mode} ignores it"
-                         for n in names if n in values and cfg.ttt_enabled and cfg.ttt_mode != mode]
-        for on, names in FEATURE_SETTINGS.items():
-            warnings += [f"setting {n.upper()} is ignored: {on.upper()}={getattr(cfg, on)} turns its feature off"
-                         for n in names if n in values and not getattr(cfg, on)]
-        if cfg.max_wallclock_seconds == 0 and cfg.warmdown_iters > cfg.iterations:
-            warnings.append(f"WARMDOWN_ITERS={cfg.warmdown_iters} > ITERATIONS={cfg.iterations} (a step-capped run): "
-                            f"the lr starts at {cfg.iterations / cfg.warmdown_iters:.3f} of its peak")
         return cfg, warnings
+
+    def unread(self, explicit: set[str]) -> list[str]:
+        """Warnings for what the settings `explicit` (field names) will not do in this run, once a checkpoint's or
+        an artifact's settings are adopted: a setting of a TTT mode or feature that is off, a step-capped warmdown
+        longer than the run."""
+        out = [f"setting {n.upper()} is TTT_MODE={mode}'s; TTT_MODE={self.ttt_mode} ignores it"
+               for mode, names in TTT_MODE_SETTINGS.items() for n in names
+               if n in explicit and self.ttt_enabled and self.ttt_mode != mode]
+        out += [f"setting {n.upper()} is ignored: {on.upper()}={getattr(self, on)} turns its feature off"
+                for on, names in FEATURE_SETTINGS.items() for n in names if n in explicit and not getattr(self, on)]
+        if self.max_wallclock_seconds == 0 and self.warmdown_iters > self.iterations:
+            out.append(f"WARMDOWN_ITERS={self.warmdown_iters} > ITERATIONS={self.iterations} (a step-capped run): "
+                       f"the lr starts at {self.iterations / self.warmdown_iters:.3f} of its peak")
+        return out
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -581,7 +586,7 @@ def claim_outputs(cfg: Hyperparameters, rt: Runtime) -> Hyperparameters:
             n += 1
             with contextlib.suppress(FileExistsError):
                 if not any((logs / f"{run_id}{ext}").exists() for ext in (".ckpt", ".int6.ptz")):
-                    os.close(os.open(logs / f"{run_id}.txt", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                    os.close(os.open(logs / f"{run_id}.txt", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
                     return replace(cfg, run_id=run_id, artifact_path=cfg.artifact_path or str(logs / f"{run_id}.int6.ptz"))
     out: list = [None]
     if rt.is_main:
@@ -2873,17 +2878,25 @@ class Trainer:
                     last_line = now_ms(HOST)
                     now = train_ms + last_line - t0
                     log(f"step:{step}/{cfg.iterations} train_time:{now:.0f}ms eta:{self.eta_s(step, now, start):.0f}s")
+            train_ms += now_ms(rt.device) - t0
+            if 0 < cap_ms < train_ms:
+                log(f"warning wallclock_overrun train_time:{train_ms:.0f}ms cap:{cap_ms:.0f}ms "
+                    f"over_by:{train_ms - cap_ms:.0f}ms")
+            self.check_finite(first_bad)
+            stopped = int(all_reduce_max(float(self.signal), rt.device))  # one that came in the last step counts too
+            # always: no trained model is lost to a failure or signal in export, scoring or TTT (RESUME=it exports
+            # and scores again, with no training); run() removes it at the end unless CHECKPOINT_EVERY keeps them
+            try:
+                self.save_checkpoint(ema, clock(train_ms, done=not stopped))
+            except OSError as e:  # a disk that holds the artifact but not the checkpoint still gets the artifact
+                if stopped or cfg.checkpoint_every > 0:
+                    raise
+                log(f"warning the trained state was not written ({e}): export goes on without it")
         finally:
             for s, handler in handlers.items():
                 signal.signal(s, handler)
-        train_ms += now_ms(rt.device) - t0
-        if 0 < cap_ms < train_ms:
-            log(f"warning wallclock_overrun train_time:{train_ms:.0f}ms cap:{cap_ms:.0f}ms over_by:{train_ms - cap_ms:.0f}ms")
-        self.check_finite(first_bad)
-        stopped = int(all_reduce_max(float(self.signal), rt.device))  # one that came in the last step counts too
-        # always: no trained model is lost to a failure or signal in export, scoring or TTT (RESUME=it exports and
-        # scores again, with no training); run() removes it at the end unless CHECKPOINT_EVERY keeps checkpoints
-        self.save_checkpoint(ema, clock(train_ms, done=not stopped))
+        if self.signal and not stopped:  # it came during the final checkpoint, which is on disk now
+            raise Interrupted(self.signal)
         if stopped:
             log(f"interrupted by {signal.Signals(stopped).name} at step {step}: resume with RESUME={self.ckpt_path} "
                 "and the same settings")
@@ -2987,6 +3000,7 @@ def main() -> int:
                              f"was made with (sha256 {made['tokenizer_sha256']})")
     if cfg.auto_size > 0 and ckpt is None and stored is None:  # a resumed or scored model keeps its shapes
         cfg = fit_to_limit(cfg, explicit, len(shipped_code(code)))
+    warnings += cfg.unread(explicit)
     rt = init_runtime(cfg)
     claimed = claim_outputs(cfg, rt)
     if claimed.run_id != cfg.run_id:
@@ -2997,14 +3011,16 @@ def main() -> int:
         signal.signal(s, raise_interrupted)
     try:
         return run(cfg, rt, log, code, warnings, ckpt, stored, tokenizer)
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt):  # say how to finish from what is on disk
-            artifact, ckpt_path = Path(cfg.eval_only or cfg.artifact_path), Path("logs") / f"{cfg.run_id}.ckpt"
-            e = Interrupted(getattr(e, "signum", signal.SIGINT), f"score the artifact with EVAL_ONLY={artifact}"
-                            if artifact.is_file() else f"finish with RESUME={ckpt_path} (the same settings)"
-                            if ckpt_path.is_file() else "no checkpoint was written, the training is lost"
-                            + (f" (RESUME={cfg.resume} starts it again)" if cfg.resume else ""))
-        log(f"error {type(e).__name__}: {e}", console=False)
+    except BaseException as e:  # say how to finish from what is on disk
+        artifact, trained = Path(cfg.eval_only or cfg.artifact_path), Path("logs") / f"{cfg.run_id}.ckpt"
+        hint = (f"score the artifact with EVAL_ONLY={artifact}" if artifact.is_file() else
+                f"finish with RESUME={trained if trained.is_file() else cfg.resume} (the same settings)" if trained.is_file() or cfg.resume
+                else "no checkpoint was written, the training is lost")
+        if isinstance(e, KeyboardInterrupt):
+            e = Interrupted(getattr(e, "signum", signal.SIGINT), hint)
+        elif trained.is_file():  # a failure after training (export, scoring, TTT, a lost rank)
+            e.add_note(hint)
+        log(f"error {type(e).__name__}: {e}" + "".join(f"; {n}" for n in getattr(e, "__notes__", ())), console=False)
         raise e
 
 
@@ -3120,12 +3136,15 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     log(f"summary score:{key} val_bpb:{score.bpb:.8f} artifact:{artifact} total_bytes:{total} train_time:"
         f"{train_ms / 1000:.1f}s wall_time:{time.perf_counter() - t_start:.1f}s"
         + (" sample_data:not_comparable_to_FineWeb" if sample else ""))
+    trained = Path("logs") / f"{cfg.run_id}.ckpt"
     if total > SIZE_LIMIT_BYTES:
+        again = trained if trained.is_file() else cfg.resume
         log(f"ERROR submission_over_limit total:{total} limit:{SIZE_LIMIT_BYTES} over_by:{total - SIZE_LIMIT_BYTES}"
-            + (f" (export again from RESUME=logs/{cfg.run_id}.ckpt)" if (Path("logs") / f"{cfg.run_id}.ckpt").is_file() else ""))
+            + (f" (export again from RESUME={again})" if again else ""))
         return 1
-    if rt.is_main and not cfg.checkpoint_every:  # the artifact is written and scored: training's checkpoint goes
-        (Path("logs") / f"{cfg.run_id}.ckpt").unlink(missing_ok=True)
+    if rt.is_main and not cfg.checkpoint_every and trained.is_file():  # the artifact is written and scored
+        trained.unlink()
+        log(f"checkpoint removed: {trained} (CHECKPOINT_EVERY > 0 keeps it)")
     return 0
 
 
@@ -3134,7 +3153,8 @@ def report_error(e: BaseException) -> int:
     alike (settings, data, a non-finite loss) are reported by rank 0 only."""
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0 or not isinstance(e, (ValueError, OSError, FloatingPointError, KeyboardInterrupt)):
-        what = (str(e) or "interrupted") if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+        what = (str(e) or "interrupted") if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}" + "".join(
+            f"; {n}" for n in getattr(e, "__notes__", ()))
         print(f"error{f' (rank {rank})' if rank else ''}: {what} (DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
     return 128 + getattr(e, "signum", signal.SIGINT) if isinstance(e, KeyboardInterrupt) else 1
 

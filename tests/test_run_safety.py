@@ -124,6 +124,89 @@ def test_a_second_signal_within_a_step_stops_at_once_without_a_checkpoint(datase
         signal.signal(signal.SIGINT, before)
 
 
+def _trainer_with_fake_steps(dataset, tokenizer_path, tmp_path, monkeypatch, **settings):
+    from test_training import make_trainer
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    tr = make_trainer(dataset, tokenizer_path, ITERATIONS=3, LATE_QAT_THRESHOLD=0, RUN_ID="end", **settings)
+    tr.step = lambda k, lr_scale: torch.tensor(1.0)
+    return tr
+
+
+def test_a_final_checkpoint_the_disk_cannot_hold_does_not_stop_the_export(dataset, tokenizer_path, tmp_path,
+                                                                          monkeypatch):
+    """Without CHECKPOINT_EVERY the artifact (16 MB) still gets its chance where the checkpoint (327 MB) does not
+    fit; with it, the failure stops the run as before."""
+    lines = []
+    tr = _trainer_with_fake_steps(dataset, tokenizer_path, tmp_path, monkeypatch)
+    tr.log = lines.append
+
+    def full(*_):
+        raise OSError(28, "No space left on device (writing logs/end.ckpt, 9 bytes)")
+    tr.save_checkpoint = full
+    assert tr.train(scorer=None, ema=None)[::2] == (3, 0)
+    assert any(x.startswith("warning the trained state was not written ([Errno 28] No space left") for x in lines)
+    tr = _trainer_with_fake_steps(dataset, tokenizer_path, tmp_path, monkeypatch, CHECKPOINT_EVERY=1000)
+    tr.save_checkpoint = full
+    with pytest.raises(OSError, match="No space left"):
+        tr.train(scorer=None, ema=None)
+
+
+def test_a_signal_during_the_final_checkpoint_leaves_it_whole(dataset, tokenizer_path, tmp_path, monkeypatch):
+    """The loop's own handler stays until the final checkpoint is on disk; the signal then stops the run (main()
+    says: finish with RESUME=it). It used to raise inside the write, and the temporary file was deleted."""
+    tr = _trainer_with_fake_steps(dataset, tokenizer_path, tmp_path, monkeypatch)
+    save = tr.save_checkpoint
+
+    def signalled_save(ema, clock):
+        os.kill(os.getpid(), signal.SIGTERM)
+        save(ema, clock)
+    tr.save_checkpoint = signalled_save
+    before = signal.signal(signal.SIGTERM, tg.raise_interrupted)  # as main() installs it
+    try:
+        with pytest.raises(tg.Interrupted):
+            tr.train(scorer=None, ema=None)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert tg.read_checkpoint("logs/end.ckpt")["clock"]["done"]
+
+
+def test_a_failure_after_training_says_how_to_finish(dataset, tokenizer_path, tmp_path, monkeypatch):
+    """Any error once the trained state is on disk (export, scoring, TTT out of memory, a lost rank) carries the
+    hint; so does an interrupt of a run that resumed a checkpoint and wrote none of its own."""
+    monkeypatch.chdir(tmp_path)
+    for k, v in tiny_env(dataset, tokenizer_path, RUN_ID="late").items():
+        monkeypatch.setenv(k, v)
+
+    def failing_run(cfg, *_):
+        Path(f"logs/{cfg.run_id}.ckpt").write_bytes(b"trained")
+        raise RuntimeError("CUDA out of memory")
+    monkeypatch.setattr(tg, "run", failing_run)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(RuntimeError) as e:
+            tg.main()
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert e.value.__notes__ == ["finish with RESUME=logs/late.ckpt (the same settings)"]
+    assert tg.report_error(e.value) == 1
+    assert log_of(tmp_path, "late").strip().splitlines()[-1] == (
+        "error RuntimeError: CUDA out of memory; finish with RESUME=logs/late.ckpt (the same settings)")
+
+
+def test_an_interrupted_resume_of_a_finished_checkpoint_says_to_resume_it_again(dataset, tokenizer_path, tmp_path):
+    from test_training import make_trainer
+    (tmp_path / "logs").mkdir()
+    tr = make_trainer(dataset, tokenizer_path, RUN_ID="done", ITERATIONS=2)
+    tr.ckpt_path = tmp_path / "logs" / "done.ckpt"
+    tr.save_checkpoint(None, dict(tr.clock, step=2, done=True))
+    env = tiny_env(dataset, tokenizer_path, RUN_ID="again", RESUME="logs/done.ckpt", ITERATIONS=2)
+    rc, out, err = run_script_interrupted(env, tmp_path, after="resumed_from:", sig=signal.SIGTERM)
+    assert rc == 128 + signal.SIGTERM, err[-3000:]
+    assert "error: interrupted by SIGTERM: finish with RESUME=logs/done.ckpt (the same settings)" in err, err
+
+
 # =============================================================================================
 # 4. The tokenizer is the data's
 # =============================================================================================
@@ -244,13 +327,32 @@ def test_bad_settings_are_one_clear_error(env, message):
 
 
 def test_settings_that_would_do_nothing_are_reported():
-    _, warnings = tg.Hyperparameters.from_env({"TTT_LORA_RANK": "8", "LOOP_START": "2", "GPTQ_RESERVE_SECONDS": "1"})
-    assert warnings == ["setting TTT_LORA_RANK is ignored: TTT_ENABLED=False turns its feature off",
-                        "setting LOOP_START is ignored: NUM_LOOPS=0 turns its feature off",
-                        "setting GPTQ_RESERVE_SECONDS is ignored: GPTQ_CALIBRATION_BATCHES=0 turns its feature off"]
-    _, warnings = tg.Hyperparameters.from_env({"MAX_WALLCLOCK_SECONDS": "0", "ITERATIONS": "100"})
-    assert warnings == ["WARMDOWN_ITERS=3500 > ITERATIONS=100 (a step-capped run): the lr starts at 0.029 of its peak"]
-    assert tg.Hyperparameters.from_env({"ITERATIONS": "100"})[1] == []  # capped: the warmdown is by wallclock
+    explicit = {"ttt_lora_rank", "loop_start", "bigram_dim"}
+    cfg = tg.Hyperparameters(ttt_lora_rank=8, loop_start=2, bigram_vocab_size=0)
+    assert cfg.unread(explicit) == ["setting TTT_LORA_RANK is ignored: TTT_ENABLED=False turns its feature off",
+                                    "setting LOOP_START is ignored: NUM_LOOPS=0 turns its feature off",
+                                    "setting BIGRAM_DIM is ignored: BIGRAM_VOCAB_SIZE=0 turns its feature off"]
+    assert tg.Hyperparameters(ttt_enabled=True).unread(explicit) == [
+        "setting LOOP_START is ignored: NUM_LOOPS=0 turns its feature off"]  # (a checkpoint's TTT_ENABLED=1)
+    assert tg.Hyperparameters(max_wallclock_seconds=0, iterations=100).unread(set()) == [
+        "WARMDOWN_ITERS=3500 > ITERATIONS=100 (a step-capped run): the lr starts at 0.029 of its peak"]
+    assert tg.Hyperparameters(iterations=100).unread(set()) == []  # capped: the warmdown is by wallclock
+
+
+def test_a_resumed_run_reports_against_the_checkpoints_settings(baseline, dataset, tokenizer_path, tmp_path):
+    """The reports come after the checkpoint's (or artifact's) settings are adopted: a checkpoint made with TTT on
+    does not make TTT_LORA_RANK 'ignored' in the resumed run."""
+    from test_training import make_trainer
+    (tmp_path / "logs").mkdir()
+    tr = make_trainer(dataset, tokenizer_path, RUN_ID="t", TTT_ENABLED=1, ITERATIONS=2)
+    tr.ckpt_path = tmp_path / "logs" / "t.ckpt"
+    tr.save_checkpoint(None, dict(tr.clock, step=2, done=True))
+    r = run_script(tiny_env(dataset, tokenizer_path, RUN_ID="t", RESUME="logs/t.ckpt", TTT_LORA_RANK=4,
+                            ENABLE_LOOPING_AT=0.5), tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = log_of(tmp_path, "t_2")
+    assert "setting ttt_enabled:True" in log and "TTT_LORA_RANK is ignored" not in log
+    assert "warning setting ENABLE_LOOPING_AT is ignored: NUM_LOOPS=0 turns its feature off" in log
 
 
 def test_a_full_disk_names_the_file(tmp_path, monkeypatch):

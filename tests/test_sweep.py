@@ -452,3 +452,14 @@ def test_export_only_refuses_a_variant_that_changes_the_model_before_any_run(tmp
     assert sweep("a=", "b=EMBED_BITS=6") == 0, capsys.readouterr().err
     assert sweep("a=", "b=NUM_LAYERS=9 EMBED_BITS=6") == 0, capsys.readouterr().err
     assert "variant b: NUM_LAYERS=10," in refused("a=", "b=NUM_LAYERS=10")
+
+
+@pytest.mark.parametrize("stale", ["st_a_s1337.txt", "st_a_s1337.ckpt", "st_a_s1337.int6.ptz"])
+def test_a_run_name_whose_log_checkpoint_or_artifact_exists_stops_the_sweep(tmp_path, monkeypatch, capsys, stale):
+    """train_gpt.py moves a RUN_ID whose log, checkpoint or artifact exists to a suffix; the sweep reads the names
+    it set (an --export-only variant would resume a stale checkpoint), so it refuses them all before any run."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / stale).write_bytes(b"an earlier sweep's")
+    assert sw.main(["--name", "st", "--seeds", "1337", "--variant", "a="]) == 2
+    assert f"sweep: error: logs/{stale} exists already: pick another --name" in capsys.readouterr().err

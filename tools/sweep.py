@@ -594,9 +594,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise SweepError("--plot needs matplotlib, an optional extra of this tool: pip install matplotlib")
         logs = Path.cwd() / "logs"
-        taken = [r.run_id for r in runs if (logs / f"{r.run_id}.txt").exists()]
+        # train_gpt.py gives a RUN_ID whose log, checkpoint or artifact exists a suffix; the sweep reads the names it set
+        taken = [f"{r.run_id}{ext}" for r in runs for ext in (".txt", ".ckpt", ".int6.ptz")
+                 if (logs / f"{r.run_id}{ext}").exists()]
         if taken and not args.dry_run:
-            raise SweepError(f"logs/{taken[0]}.txt exists already: pick another --name")
+            raise SweepError(f"logs/{taken[0]} exists already: pick another --name")
     except SweepError as e:
         print(f"sweep: error: {e}", file=sys.stderr)
         return 2
