@@ -3133,18 +3133,18 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
         if rt.device.type == "cuda":  # training's cached blocks included: what the whole run needs
             log(f"ttt_peak_memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
                 f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    trained, over = Path("logs") / f"{cfg.run_id}.ckpt", total > SIZE_LIMIT_BYTES
+    if rt.is_main and not cfg.checkpoint_every and not over and trained.is_file():  # the artifact is written, scored
+        trained.unlink()
+        log(f"checkpoint removed: {trained} (CHECKPOINT_EVERY > 0 keeps it)")
     log(f"summary score:{key} val_bpb:{score.bpb:.8f} artifact:{artifact} total_bytes:{total} train_time:"
         f"{train_ms / 1000:.1f}s wall_time:{time.perf_counter() - t_start:.1f}s"
         + (" sample_data:not_comparable_to_FineWeb" if sample else ""))
-    trained = Path("logs") / f"{cfg.run_id}.ckpt"
-    if total > SIZE_LIMIT_BYTES:
+    if over:
         again = trained if trained.is_file() else cfg.resume
         log(f"ERROR submission_over_limit total:{total} limit:{SIZE_LIMIT_BYTES} over_by:{total - SIZE_LIMIT_BYTES}"
             + (f" (export again from RESUME={again})" if again else ""))
         return 1
-    if rt.is_main and not cfg.checkpoint_every and trained.is_file():  # the artifact is written and scored
-        trained.unlink()
-        log(f"checkpoint removed: {trained} (CHECKPOINT_EVERY > 0 keeps it)")
     return 0
 
 
