@@ -280,7 +280,8 @@ class Hyperparameters:
         need(not (self.resume and self.eval_only), "RESUME and EVAL_ONLY exclude each other")
         need(self.vocab_size <= 65536, "VOCAB_SIZE must be <= 65536 (shards store uint16 token ids)")
         need(self.bigram_vocab_size != 1, "BIGRAM_VOCAB_SIZE must be 0 (off) or >= 2")
-        need(self.model_dim % self.num_heads == 0, f"MODEL_DIM={self.model_dim} must divide by NUM_HEADS={self.num_heads}")
+        need(self.model_dim % self.num_heads == 0,
+             f"MODEL_DIM={self.model_dim} must divide by NUM_HEADS={self.num_heads}")
         need(self.num_heads % self.num_kv_heads == 0,
              f"NUM_HEADS={self.num_heads} must divide by NUM_KV_HEADS={self.num_kv_heads}")
         need(0 <= self.seed < 2 ** 32, f"SEED={self.seed} is out of range: numpy's seeds are 0..2^32-1")
@@ -587,7 +588,8 @@ def claim_outputs(cfg: Hyperparameters, rt: Runtime) -> Hyperparameters:
             with contextlib.suppress(FileExistsError):
                 if not any((logs / f"{run_id}{ext}").exists() for ext in (".ckpt", ".int6.ptz")):
                     os.close(os.open(logs / f"{run_id}.txt", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
-                    return replace(cfg, run_id=run_id, artifact_path=cfg.artifact_path or str(logs / f"{run_id}.int6.ptz"))
+                    return replace(cfg, run_id=run_id,
+                                   artifact_path=cfg.artifact_path or str(logs / f"{run_id}.int6.ptz"))
     out: list = [None]
     if rt.is_main:
         try:
@@ -1030,7 +1032,8 @@ class TrainLoader:
     def __init__(self, files: list[str], cfg: Hyperparameters, rt: Runtime):
         sampler = CoprimeSampler if cfg.train_sampling == "coprime" else SequentialSampler
         self.sampler = sampler(files, cfg.vocab_size, cfg.train_seq_len)
-        self.data = f"TRAIN_SAMPLING={cfg.train_sampling} over {len(files)} shards of {sum(map(shard_token_count, files))} tokens"
+        tokens = sum(map(shard_token_count, files))  # what a position is in (RESUME on other data is refused)
+        self.data = f"TRAIN_SAMPLING={cfg.train_sampling} over {len(files)} shards of {tokens} tokens"
         self.rt, self.seq_len, self.seqs_per_step = rt, cfg.train_seq_len, cfg.train_batch_tokens // cfg.train_seq_len
         self.seqs_per_micro = self.seqs_per_step // (rt.world_size * rt.grad_accum)
         self.ahead = None  # (sampler state before it, x, y, copy-done event) of the prefetched step
@@ -2365,11 +2368,11 @@ def _nbytes(dtype: str, shape: list[int]) -> int:
     return math.prod(shape) * torch.empty((), dtype=_DTYPES[dtype]).element_size()
 
 
-def pack_tensors(tensors: dict[str, Tensor], cfg: Hyperparameters, tokenizer_sha256: str = "") -> bytes:
+def pack_tensors(tensors: dict[str, Tensor], cfg: Hyperparameters, tokenizer: str = "") -> bytes:
     """Compact container: magic, u32 header length, JSON {"settings": the MODEL_SETTINGS, "tokenizer_sha256": the
     tokenizer the model was trained with, "tensors": [[name, dtype, shape], ...]}, raw data."""
     header = json.dumps({"settings": {n: getattr(cfg, n) for n in MODEL_SETTINGS},
-                         "tokenizer_sha256": tokenizer_sha256, "tensors":
+                         "tokenizer_sha256": tokenizer, "tensors":
                          [[k, str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in tensors.items()]},
                         separators=(",", ":")).encode()
     body = b"".join(t.contiguous().numpy().tobytes() for t in tensors.values())
@@ -2699,9 +2702,9 @@ class Trainer:
     loop with its wallclock cap, and the bookkeeping of losses."""
 
     def __init__(self, cfg: Hyperparameters, rt: Runtime, model: GPT, loader: TrainLoader, log: Logger,
-                 tokenizer_sha256: str = ""):
+                 tokenizer: str = ""):
         self.cfg, self.rt, self.model, self.loader, self.log = cfg, rt, model, loader, log
-        self.tokenizer_sha256 = tokenizer_sha256  # stored in checkpoints: RESUME checks it
+        self.tokenizer = tokenizer  # its sha256, stored in checkpoints: RESUME checks it
         self.opt = Optimizers(model, cfg, rt)
         self.fwd = compiled(model, rt)
         self.graphed = self.opt.keep_grads = rt.cuda_graphs  # graphs accumulate into fixed .grad
@@ -2834,8 +2837,9 @@ class Trainer:
                         recent_ms.append(t_iter - t_prev)
                     t_prev = t_iter
                     # all ranks agree on the clock, so on stopping, lr scale, the QAT switch and checkpoints
-                    elapsed, predicted, stop = all_reduce_max([train_ms + t_iter - t0, train_ms + t_iter - t0 + CAP_MARGIN * (
-                        max(recent_ms[-10:]) if recent_ms else 0.0), float(self.signal)], rt.device)
+                    now = train_ms + t_iter - t0
+                    elapsed, predicted, stop = all_reduce_max(
+                        [now, now + CAP_MARGIN * max(recent_ms[-10:], default=0.0), float(self.signal)], rt.device)
                     if cap_ms > 0 and predicted > cap_ms:
                         log(f"stopping_early: wallclock_cap train_time:{elapsed:.0f}ms step:{step}/{cfg.iterations}")
                         break
@@ -2918,7 +2922,7 @@ class Trainer:
         (step, train_ms, progress, qat), RNG; warmup's snapshot and a checkpoint's content. Every rank takes part
         (the momentum gather). Holds references to live tensors."""
         cuda = self.rt.device.type == "cuda"
-        return dict(settings=asdict(self.cfg), tokenizer_sha256=self.tokenizer_sha256, model=self.model.state_dict(),
+        return dict(settings=asdict(self.cfg), tokenizer_sha256=self.tokenizer, model=self.model.state_dict(),
                     opt=self.opt.state_dict(), ema=ema.shadow if ema is not None else None,
                     loader=self.loader.state_dict(), rng=torch.get_rng_state(),
                     cuda_rng=torch.cuda.get_rng_state(self.rt.device) if cuda else None, clock=clock)
@@ -3013,9 +3017,10 @@ def main() -> int:
         return run(cfg, rt, log, code, warnings, ckpt, stored, tokenizer)
     except BaseException as e:  # say how to finish from what is on disk
         artifact, trained = Path(cfg.eval_only or cfg.artifact_path), Path("logs") / f"{cfg.run_id}.ckpt"
+        resume = trained if trained.is_file() else cfg.resume
         hint = (f"score the artifact with EVAL_ONLY={artifact}" if artifact.is_file() else
-                f"finish with RESUME={trained if trained.is_file() else cfg.resume} (the same settings)" if trained.is_file() or cfg.resume
-                else "no checkpoint was written, the training is lost")
+                f"finish with RESUME={resume} (the same settings)" if resume else
+                "no checkpoint was written, the training is lost")
         if isinstance(e, KeyboardInterrupt):
             e = Interrupted(getattr(e, "signum", signal.SIGINT), hint)
         elif trained.is_file():  # a failure after training (export, scoring, TTT, a lost rank)

@@ -237,7 +237,7 @@ def test_eval_only_and_resume_with_another_tokenizer_stop_naming_both(baseline, 
     from test_training import make_trainer  # a checkpoint as a run writes it (a real run's: the SIGTERM test above)
     (tmp_path / "logs").mkdir()
     tr = make_trainer(dataset, tokenizer_path, RUN_ID="ck")
-    tr.ckpt_path, tr.tokenizer_sha256 = tmp_path / "logs" / "ck.ckpt", ours
+    tr.ckpt_path, tr.tokenizer = tmp_path / "logs" / "ck.ckpt", ours
     tr.save_checkpoint(None, dict(tr.clock, done=True))
     env = tiny_env(dataset, other_tokenizer, RUN_ID="ck", RESUME="logs/ck.ckpt")
     r = run_script(env, tmp_path)
