@@ -72,9 +72,8 @@ TTT_MODE_SETTINGS = {"sgd": ("ttt_lr", "ttt_epochs", "ttt_chunk_tokens", "ttt_fr
                               "ttt_chunk_size", "ttt_batch_size")}
 # The settings a feature reads only when it is on (setting one with the feature off is reported, not silently ignored).
 FEATURE_SETTINGS = {"ttt_enabled": ("ttt_mode",) + sum(TTT_MODE_SETTINGS.values(), ()),
-                    "num_loops": ("loop_start", "loop_end", "enable_looping_at"),
+                    "num_loops": ("loop_start", "loop_end", "enable_looping_at"), "ve_enabled": ("ve_dim", "ve_layers"),
                     "ema_enabled": ("ema_horizon", "ema_decay"), "bigram_vocab_size": ("bigram_dim",),
-                    "ve_enabled": ("ve_dim", "ve_layers"),
                     "sparse_attn_gate_enabled": ("sparse_attn_gate_scale", "sparse_attn_gate_init_std")}
 
 
