@@ -253,9 +253,8 @@ class Hyperparameters:
         return cfg, warnings
 
     def unread(self, explicit: set[str]) -> list[str]:
-        """Warnings for what the settings `explicit` (field names) will not do in this run, once a checkpoint's or
-        an artifact's settings are adopted: a setting of a TTT mode or feature that is off, a step-capped warmdown
-        longer than the run."""
+        """Warnings, once a checkpoint's or artifact's settings are adopted, for settings in `explicit` (field names)
+        of a TTT mode or feature that is off, and for a step-capped warmdown longer than the run."""
         out = [f"setting {n.upper()} is TTT_MODE={mode}'s; TTT_MODE={self.ttt_mode} ignores it"
                for mode, names in TTT_MODE_SETTINGS.items() for n in names
                if n in explicit and self.ttt_enabled and self.ttt_mode != mode]
@@ -566,10 +565,9 @@ def now_ms(device: torch.device) -> float:
 
 def claim_outputs(cfg: Hyperparameters, rt: Runtime) -> Hyperparameters:
     """One run, one log, no output overwritten: rank 0 creates logs/<RUN_ID>.txt exclusively (two runs started together
-    cannot both take it), the first free RUN_ID, RUN_ID_2, ... whose log, checkpoint and default artifact are all
-    absent, and tells the other ranks. An empty ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz; a given one that exists
-    or is named like a log or checkpoint is refused, as is a missing or read-only output folder (now, not when a
-    finished run writes into it)."""
+    cannot both take it) for the first of RUN_ID, RUN_ID_2, ... with no log, checkpoint or default artifact, and tells
+    the other ranks. An empty ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz; a given one that exists or is named like a
+    log or checkpoint is refused, as is a missing or read-only output folder (now, not after training)."""
     def claim() -> Hyperparameters:
         logs, artifact, n = Path("logs"), Path(cfg.artifact_path), 1
         logs.mkdir(exist_ok=True)
@@ -1031,8 +1029,8 @@ class TrainLoader:
     def __init__(self, files: list[str], cfg: Hyperparameters, rt: Runtime):
         sampler = CoprimeSampler if cfg.train_sampling == "coprime" else SequentialSampler
         self.sampler = sampler(files, cfg.vocab_size, cfg.train_seq_len)
-        tokens = sum(map(shard_token_count, files))  # what a position is in (RESUME on other data is refused)
-        self.data = f"TRAIN_SAMPLING={cfg.train_sampling} over {len(files)} shards of {tokens} tokens"
+        self.tokens = sum(map(shard_token_count, files))  # with the sampling, what a position is in (RESUME checks it)
+        self.data = f"TRAIN_SAMPLING={cfg.train_sampling} over {len(files)} shards of {self.tokens} tokens"
         self.rt, self.seq_len, self.seqs_per_step = rt, cfg.train_seq_len, cfg.train_batch_tokens // cfg.train_seq_len
         self.seqs_per_micro = self.seqs_per_step // (rt.world_size * rt.grad_accum)
         self.ahead = None  # (sampler state before it, x, y, copy-done event) of the prefetched step
@@ -2646,9 +2644,10 @@ def read_checkpoint(path: str) -> dict:
     if not data.startswith(CHECKPOINT_MAGIC):
         raise ValueError(f"RESUME {path} is an artifact: score it with EVAL_ONLY={path}" if data[:4] == ARTIFACT_MAGIC
                          else f"RESUME {path} is not a checkpoint of this version of train_gpt.py")
-    if hashlib.sha256(data[n + 32:]).digest() != data[n:n + 32]:
-        raise ValueError(f"RESUME {path} is corrupt: its checksum does not match its {len(data) - n - 32} bytes")
-    return torch.load(io.BytesIO(data[n + 32:]), map_location="cpu", weights_only=True)
+    payload = memoryview(data)[n + 32:]  # (a view: a record checkpoint is 270 MB)
+    if hashlib.sha256(payload).digest() != data[n:n + 32]:
+        raise ValueError(f"RESUME {path} is corrupt: its checksum does not match its {len(payload)} bytes")
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
 
 
 class EMA:
@@ -2946,7 +2945,8 @@ class Trainer:
         if self.rt.is_main:
             buf = io.BytesIO()
             torch.save(state, buf)
-            write_atomic(self.ckpt_path, CHECKPOINT_MAGIC + hashlib.sha256(buf.getvalue()).digest() + buf.getvalue())
+            payload = buf.getvalue()
+            write_atomic(self.ckpt_path, CHECKPOINT_MAGIC + hashlib.sha256(payload).digest() + payload)
             self.log(f"checkpoint step:{clock['step']} path:{self.ckpt_path} bytes:{buf.tell()} "
                      f"time:{now_ms(HOST) - t0:.0f}ms")
 
@@ -3024,7 +3024,7 @@ def main() -> int:
             e = Interrupted(getattr(e, "signum", signal.SIGINT), hint)
         elif trained.is_file():  # a failure after training (export, scoring, TTT, a lost rank)
             e.add_note(hint)
-        log(f"error {type(e).__name__}: {e}" + "".join(f"; {n}" for n in getattr(e, "__notes__", ())), console=False)
+        log(f"error {error_text(e)}", console=False)
         raise e
 
 
@@ -3072,10 +3072,10 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     if not cfg.eval_only:
         files = shard_files(cfg.data_path, "train")
         check_tokenizer(sp, open_shard(files[0], cfg.vocab_size), files[0])
-        tokens = sum(shard_token_count(f) for f in files)  # token ranges are checked when a shard is opened
-        log(f"train_data shards:{len(files)} tokens:{tokens} epochs_at_max_iterations:"
-            f"{cfg.iterations * cfg.train_batch_tokens / max(tokens, 1):.2f} sampling:{cfg.train_sampling}")
-        trainer = Trainer(cfg, rt, model, TrainLoader(files, cfg, rt), log, tokenizer)
+        loader = TrainLoader(files, cfg, rt)
+        log(f"train_data shards:{len(files)} tokens:{loader.tokens} epochs_at_max_iterations:"
+            f"{cfg.iterations * cfg.train_batch_tokens / max(loader.tokens, 1):.2f} sampling:{cfg.train_sampling}")
+        trainer = Trainer(cfg, rt, model, loader, log, tokenizer)
         if ckpt is None or not ckpt["clock"].get("done"):  # a finished run's checkpoint trains no more
             trainer.warmup()
         ema = EMA(model, cfg.ema_horizon, cfg.ema_decay) if cfg.ema_enabled else None
@@ -3152,13 +3152,16 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     return 0
 
 
+def error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" + "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
+
+
 def report_error(e: BaseException) -> int:
     """One line on stderr for an error that ends the run (main wrote it to the log). Errors every rank meets
     alike (settings, data, a non-finite loss) are reported by rank 0 only."""
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0 or not isinstance(e, (ValueError, OSError, FloatingPointError, KeyboardInterrupt)):
-        what = (str(e) or "interrupted") if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}" + "".join(
-            f"; {n}" for n in getattr(e, "__notes__", ()))
+        what = (str(e) or "interrupted") if isinstance(e, KeyboardInterrupt) else error_text(e)
         print(f"error{f' (rank {rank})' if rank else ''}: {what} (DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
     return 128 + getattr(e, "signum", signal.SIGINT) if isinstance(e, KeyboardInterrupt) else 1
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import TINY_VOCAB, make_cfg, run_script, run_script_interrupted, sample_text, tiny_env
+from test_training import make_trainer
 
 import train_gpt as tg
 
@@ -103,7 +104,6 @@ def test_a_second_signal_within_a_step_stops_at_once_without_a_checkpoint(datase
                                                                           tmp_path):
     """The first SIGINT asks for a checkpoint at the next step's start; a second one within the step stops now (the
     step's state is half-updated, so nothing is written) and main() then says that no checkpoint was written."""
-    from test_training import make_trainer
     monkeypatch.chdir(tmp_path)
     (tmp_path / "logs").mkdir()
     before = signal.signal(signal.SIGINT, tg.raise_interrupted)  # as main() installs it
@@ -125,7 +125,6 @@ def test_a_second_signal_within_a_step_stops_at_once_without_a_checkpoint(datase
 
 
 def _trainer_with_fake_steps(dataset, tokenizer_path, tmp_path, monkeypatch, **settings):
-    from test_training import make_trainer
     monkeypatch.chdir(tmp_path)
     (tmp_path / "logs").mkdir(exist_ok=True)
     tr = make_trainer(dataset, tokenizer_path, ITERATIONS=3, LATE_QAT_THRESHOLD=0, RUN_ID="end", **settings)
@@ -196,7 +195,6 @@ def test_a_failure_after_training_says_how_to_finish(dataset, tokenizer_path, tm
 
 
 def test_an_interrupted_resume_of_a_finished_checkpoint_says_to_resume_it_again(dataset, tokenizer_path, tmp_path):
-    from test_training import make_trainer
     (tmp_path / "logs").mkdir()
     tr = make_trainer(dataset, tokenizer_path, RUN_ID="done", ITERATIONS=2)
     tr.ckpt_path = tmp_path / "logs" / "done.ckpt"
@@ -234,7 +232,7 @@ def test_eval_only_and_resume_with_another_tokenizer_stop_naming_both(baseline, 
     assert r.returncode == 1
     assert (f"TOKENIZER_PATH {other_tokenizer} (sha256 {other}) is not the tokenizer artifact {artifact} was made "
             f"with (sha256 {ours})") in r.stderr, r.stderr[-2000:]
-    from test_training import make_trainer  # a checkpoint as a run writes it (a real run's: the SIGTERM test above)
+    # a checkpoint as a run writes it (a real run's: the SIGTERM test above)
     (tmp_path / "logs").mkdir()
     tr = make_trainer(dataset, tokenizer_path, RUN_ID="ck")
     tr.ckpt_path, tr.tokenizer = tmp_path / "logs" / "ck.ckpt", ours
@@ -290,7 +288,6 @@ def test_a_run_id_is_claimed_atomically(tmp_path, monkeypatch):
 
 def test_a_flipped_byte_in_a_checkpoint_is_refused(dataset, tokenizer_path, monkeypatch, tmp_path):
     """It used to resume and end with another score."""
-    from test_training import make_trainer
     monkeypatch.chdir(tmp_path)
     (tmp_path / "logs").mkdir()
     tr = make_trainer(dataset, tokenizer_path, RUN_ID="flip")
@@ -342,7 +339,6 @@ def test_settings_that_would_do_nothing_are_reported():
 def test_a_resumed_run_reports_against_the_checkpoints_settings(baseline, dataset, tokenizer_path, tmp_path):
     """The reports come after the checkpoint's (or artifact's) settings are adopted: a checkpoint made with TTT on
     does not make TTT_LORA_RANK 'ignored' in the resumed run."""
-    from test_training import make_trainer
     (tmp_path / "logs").mkdir()
     tr = make_trainer(dataset, tokenizer_path, RUN_ID="t", TTT_ENABLED=1, ITERATIONS=2)
     tr.ckpt_path = tmp_path / "logs" / "t.ckpt"
