@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Callable
 
 try:
-    from shards import read_header
+    from shards import shard_token_count
 except ImportError:  # imported as data.cached_challenge_fineweb from the repo root
-    from data.shards import read_header
+    from data.shards import shard_token_count
 
 DEFAULT_REPO_ID = "willdepueoai/parameter-golf"
 # The repository that publishes each tokenizer family (the records' download commands, FRONTIER.md "Vocab
@@ -93,7 +93,7 @@ def _shard_ok(path: Path) -> int | None:
     if not path.is_file():
         return None
     try:
-        return read_header(path)
+        return shard_token_count(path)
     except ValueError:
         return None
 
@@ -107,7 +107,7 @@ def get_shard(fetch: Fetch, remote: str, dest: Path) -> int:
         print(f"refetch path:{dest} reason:size_or_header_mismatch")
     _fetch_to(fetch, remote, dest)
     try:
-        return read_header(dest)
+        return shard_token_count(dest)
     except ValueError as e:
         dest.unlink()
         raise ValueError(f"downloaded shard {remote} is corrupt: {e}") from None

@@ -13,8 +13,9 @@ document; documents are deduplicated, sorted, then shuffled with a fixed seed so
 first --val-fraction of documents) is not just the alphabetically first ones. The tokenizer is trained
 with the challenge's settings (make_shards.CHALLENGE_SPM_SETTINGS) on the train documents.
 Deterministic for a given Python installation; CPython 3.11 gives about 6,000 documents and
-650k tokens with vocab 1024, built in about 1 s. This is a smoke-test corpus (English prose mixed
-with code), not a stand-in for FineWeb: bpb numbers on it are not comparable to the challenge's.
+650k tokens with vocab 1024, built in about 1 s (plus 3-4 s to import torch, for train_gpt.py's shard
+format). This is a smoke-test corpus (English prose mixed with code), not a stand-in for FineWeb: bpb
+numbers on it are not comparable to the challenge's.
 
 Licence: Python's docstrings and pydoc topics are part of CPython, under the PSF License Agreement.
 The sample is generated on the user's machine from their own Python installation and is not
@@ -34,13 +35,6 @@ import sys
 import time
 import warnings
 from pathlib import Path
-
-try:
-    from make_shards import train_tokenizer, write_shards
-    from shards import SAMPLE_MARK
-except ImportError:  # imported as data.make_sample from the repo root
-    from data.make_shards import train_tokenizer, write_shards
-    from data.shards import SAMPLE_MARK
 
 SHUFFLE_SEED = 1337
 # Never imported: side effects on import (antigravity opens a browser, this prints), GUI/test suites
@@ -107,6 +101,19 @@ def collect_documents() -> list[str]:
     return ordered
 
 
+def _shard_tools():
+    """make_shards' writers and train_gpt.py's SAMPLE_MARK, imported only after the documents are collected: the
+    shard format is train_gpt.py's, which imports torch, whose torch.package replaces inspect.getfile (without a
+    docstring), and a sample built after that lacks a document: another shuffle, tokenizer and shards."""
+    try:
+        from make_shards import train_tokenizer, write_shards
+        from shards import SAMPLE_MARK
+    except ImportError:  # imported as data.make_sample from the repo root
+        from data.make_shards import train_tokenizer, write_shards
+        from data.shards import SAMPLE_MARK
+    return train_tokenizer, write_shards, SAMPLE_MARK
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "sample"), help="output root")
@@ -118,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"error: --val-fraction {args.val_fraction}: must be in (0, 1)")
     t0 = time.perf_counter()
     docs = collect_documents()[: args.max_docs]
+    train_tokenizer, write_shards, SAMPLE_MARK = _shard_tools()
     val_docs = max(1, round(len(docs) * args.val_fraction))
     out = Path(args.out)
     model_path = out / "tokenizers" / f"sample_{args.vocab_size}_bpe.model"

@@ -23,7 +23,9 @@ Shards are independent jobs spread over --workers processes (default: all CPUs),
 shards than workers, each process encodes with several SentencePiece threads. Measured on this project's 2-core
 machine, sp1024 -> SP8192: the 1,040,298-token proxy val shard (902 FineWeb documents) becomes 679,461 tokens,
 2,504,867 bytes on both sides, in 0.52 s with 1 worker; a 10M-token proxy train shard takes 4.6 s with 1 worker,
-2.6 s with 2; two of them 8.8 s and 4.8 s (plus about 3 s to import torch for the byte tables).
+2.6 s with 2; two of them 8.8 s and 4.8 s (plus about 3 s to import torch for the byte tables). Measured before
+the shard format moved to train_gpt.py: now each worker process also imports it, and torch, as it starts (3.5-5 s
+on that machine, 225 MB of memory each).
 """
 
 from __future__ import annotations
@@ -44,12 +46,12 @@ import sentencepiece as spm
 
 try:
     from make_shards import BOS_ID, ENCODE_BATCH_DOCS, load_tokenizer
-    from shards import HEADER_BYTES, HEADER_INTS, read_header, read_shard, write_shard
+    from shards import HEADER_BYTES, read_shard, shard_token_count, write_shard
 except ImportError:  # imported as data.retokenize from the repo root
     from data.make_shards import BOS_ID, ENCODE_BATCH_DOCS, load_tokenizer
-    from data.shards import HEADER_BYTES, HEADER_INTS, read_header, read_shard, write_shard
+    from data.shards import HEADER_BYTES, read_shard, shard_token_count, write_shard
+import train_gpt  # noqa: E402  (the shard format's home, on sys.path through shards; imports torch)
 
-ROOT = Path(__file__).resolve().parents[1]
 SHARD_NAME = re.compile(r"fineweb_(train|val)_(\d{6})\.bin")
 SPLITS = ("val", "train")
 SCAN_TOKENS = 1 << 20  # a document's continuation is read in chunks of this many tokens until the next BOS
@@ -83,7 +85,7 @@ def find_splits(src: Path) -> dict[str, list[Path]]:
 
 def _continuation(path: Path) -> tuple[np.ndarray, bool]:
     """The tokens of `path` before its first BOS, and whether it has one (reads only as far as needed)."""
-    read_header(path)
+    shard_token_count(path)
     parts = [np.zeros(0, np.uint16)]
     with open(path, "rb") as f:
         f.seek(HEADER_BYTES)
@@ -142,10 +144,7 @@ def check_source_tokenizer(paths: list[Path], sp: spm.SentencePieceProcessor) ->
 
 def byte_luts(sp: spm.SentencePieceProcessor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(base bytes, has leading space, is boundary) per id: train_gpt.py's own tables, so val_bpb and this check
-    share one definition. Imported here, in the main process only: workers need not load torch."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    import train_gpt
+    share one definition."""
     return tuple(t.numpy() for t in train_gpt.build_byte_luts(sp, sp.vocab_size(), "cpu"))
 
 
@@ -199,7 +198,7 @@ def retokenize_shard(job: ShardJob) -> dict:
     if not counts["text_bytes"] == counts["src_bytes"] == counts["dst_bytes"]:
         raise ValueError(f"{path}: byte totals differ: decoded text {counts['text_bytes']:,} UTF-8 bytes, byte rule "
                          f"{counts['src_bytes']:,} on the source ids and {counts['dst_bytes']:,} on the output ids")
-    mark = int(np.fromfile(path, dtype="<i4", count=HEADER_INTS)[3])
+    mark = int(np.fromfile(path, dtype="<i4", count=4)[3])
     write_shard(job.dst / path.name, np.concatenate(out), mark)
     return counts
 
@@ -244,7 +243,7 @@ def retokenize(src: Path, src_model: str, dst: Path, dst_model: str, workers: in
             for s, k in jobs]
     if processes == 1:
         results = list(map(retokenize_shard, todo))
-    else:  # spawn: the parent holds torch (byte_luts), which forked children should not inherit
+    else:  # spawn: the parent holds torch's threads, which forked children should not inherit
         with multiprocessing.get_context("spawn").Pool(processes) as pool:
             results = pool.map(retokenize_shard, todo, chunksize=1)
     for (split, _), counts in zip(jobs, results):

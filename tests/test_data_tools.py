@@ -79,22 +79,31 @@ def test_shard_roundtrip_and_exact_layout(tmp_path):
     assert struct.unpack(f"<{len(tokens)}H", raw[1024:]) == tuple(tokens)
     back = shards.read_shard(path)
     assert back.dtype == np.uint16 and back.tolist() == tokens.tolist()
+    # data/retokenize.py writes one when a document covers a whole input shard; train_gpt.py refuses to read it
     shards.write_shard(tmp_path / "empty.bin", [])
-    assert shards.read_shard(tmp_path / "empty.bin").size == 0
+    assert struct.unpack("<256i", (tmp_path / "empty.bin").read_bytes())[:3] == (20240520, 1, 0)
+    with pytest.raises(tg.ShardError, match="empty.bin: shard holds no tokens"):
+        shards.read_shard(tmp_path / "empty.bin")
+
+
+def test_the_format_is_train_gpts():
+    assert shards.shard_token_count is tg.shard_token_count and shards.ShardError is tg.ShardError
+    assert (shards.SHARD_MAGIC, shards.SHARD_VERSION, shards.HEADER_BYTES, shards.SAMPLE_MARK) == \
+           (tg.SHARD_MAGIC, tg.SHARD_VERSION, tg.HEADER_BYTES, tg.SAMPLE_MARK) == (20240520, 1, 1024, 0x504D4153)
 
 
 @pytest.mark.parametrize("corrupt, message", [
-    (lambda b: struct.pack("<i", 20240521) + b[4:], "bad magic"),
-    (lambda b: b[:4] + struct.pack("<i", 2) + b[8:], "version 2"),
-    (lambda b: b[:-1], "truncated"),
-    (lambda b: b + b"\0\0", "truncated"),
-    (lambda b: b[:1000], "shorter than"),
+    (lambda b: struct.pack("<i", 20240521) + b[4:], r"not a challenge shard \(magic 20240521, version 1\)"),
+    (lambda b: b[:4] + struct.pack("<i", 2) + b[8:], r"not a challenge shard \(magic 20240520, version 2\)"),
+    (lambda b: b[:-1], r"size 1043 != 1044 for 10 tokens \(truncated\?\)"),
+    (lambda b: b + b"\0\0", r"size 1046 != 1044 for 10 tokens \(truncated\?\)"),
+    (lambda b: b[:1000], r"truncated shard \(1000 bytes, header needs 1024\)"),
 ])
 def test_read_shard_rejects_corrupt_files(tmp_path, corrupt, message):
     path = tmp_path / "bad.bin"
     shards.write_shard(path, np.arange(10))
     path.write_bytes(corrupt(path.read_bytes()))
-    with pytest.raises(ValueError, match=message) as err:
+    with pytest.raises(tg.ShardError, match=message) as err:  # a ValueError, as the downloader catches
         shards.read_shard(path)
     assert "bad.bin" in str(err.value)
 
@@ -182,7 +191,7 @@ def test_rerun_skips_present_files_and_refetches_bad_one(tmp_path, fake_repo):
     ccf.download("sp1024", 3, dest, third, "datasets")
     assert third.calls[1:] == ["datasets/datasets/fineweb10B_sp1024/fineweb_train_000001.bin",
                                "datasets/datasets/fineweb10B_sp1024/fineweb_train_000002.bin"]
-    assert shards.read_header(bad) == 120
+    assert shards.shard_token_count(bad) == 120
 
 
 def test_corrupt_remote_shard_is_rejected(tmp_path, fake_repo):
@@ -304,7 +313,7 @@ def test_shard_size_cap_and_stream_order(tmp_path, tiny_tokenizer):
     sp = spm.SentencePieceProcessor(model_file=str(tiny_tokenizer))
     for split, split_docs_ in (("val", docs[:4]), ("train", docs[4:])):
         files = sorted(out.glob(f"fineweb_{split}_*.bin"))
-        sizes = [shards.read_header(f) for f in files]
+        sizes = [shards.shard_token_count(f) for f in files]
         assert len(files) > 1 and all(s == 64 for s in sizes[:-1]) and 0 < sizes[-1] <= 64
         expected = [t for d in split_docs_ for t in [1, *sp.encode(d)]]
         assert np.concatenate([shards.read_shard(f) for f in files]).tolist() == expected
@@ -381,6 +390,15 @@ def test_make_shards_rejects_bad_tokenizer_and_input_type(tmp_path, tiny_tokeniz
 
 # ---------------------------------------------------------------- make_sample
 
+def test_make_sample_collects_its_documents_before_torch_is_imported():
+    """torch replaces inspect.getfile with a function without a docstring: a sample built after importing it (as
+    shards does, for train_gpt.py's format) lacks that document, and its shuffle, tokenizer and shards differ."""
+    code = ("import inspect, sys, make_sample; docs = make_sample.collect_documents(); "
+            "assert 'torch' not in sys.modules; assert inspect.getdoc(inspect.getfile) in docs")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=DATA_DIR, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_make_sample_builds_readable_deterministic_shards(tmp_path):
     trees = []
     for run in ("a", "b"):  # fresh interpreters: the sample must not depend on what the caller imported
@@ -403,7 +421,7 @@ def test_make_sample_builds_readable_deterministic_shards(tmp_path):
     assert text.count(" the ") > 20 and "Return" in text  # real English docstrings, not byte soup
     # marked as the sample (header word 3), so train_gpt.py says its scores are not FineWeb scores
     for f in data.iterdir():
-        assert np.fromfile(f, dtype="<i4", count=4)[3] == shards.SAMPLE_MARK == tg.SAMPLE_MARK
+        assert np.fromfile(f, dtype="<i4", count=4)[3] == tg.SAMPLE_MARK
         assert tg.is_sample_shard(f)
     shards.write_shard(tmp_path / "plain.bin", [1, 2])  # any other shard: the rest of the header stays 0
     assert not tg.is_sample_shard(tmp_path / "plain.bin")
