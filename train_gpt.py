@@ -32,7 +32,7 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -60,172 +60,177 @@ DROPPED_PREFIXES = ("LAWA_", "MTP_")
 FOREIGN_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP_", "MASTER_", "LOCAL_", "GROUP_", "ROLE_",
                     "TRITON", "PYTHON", "HF_", "MKL", "KMP_", "GLOO", "NVIDIA", "CUBLAS", "CUDNN")
 GENERIC_WORDS = {"MAX", "NUM", "RUN", "DATA", "MODEL", "HEAD", "DEVICE", "LOCAL", "WORLD", "RANK"}
-CHOICES = {"compressor": ("auto", "zstd", "lzma", "fast", "rans"), "compile_enabled": ("auto", "0", "1"),
-           "attn_backend": ("auto", "fa3", "flash", "cudnn", "math", "varlen"), "muon_reduce_dtype": ("auto", "bf16", "fp32"),
-           "device": ("auto", "cuda", "cpu"), "train_sampling": ("sequential", "coprime"),
-           "kernels": ("auto", "triton", "torch"), "cuda_graphs": ("auto", "0", "1"),
-           "parallel_final_lane": ("mean", "attn", "mlp"), "ttt_mode": ("sgd", "lora")}
-# The settings only one TTT_MODE reads (setting one for the other mode is reported, not silently ignored).
-TTT_MODE_SETTINGS = {"sgd": ("ttt_lr", "ttt_epochs", "ttt_chunk_tokens", "ttt_freeze_blocks", "ttt_momentum",
-                             "ttt_batch_seqs", "ttt_grad_clip"),
-                     "lora": ("ttt_lora_rank", "ttt_lora_alpha", "ttt_lora_lr", "ttt_weight_decay", "ttt_grad_steps",
-                              "ttt_chunk_size", "ttt_batch_size")}
-# The settings a feature reads only when it is on (setting one with the feature off is reported, not silently ignored).
-FEATURE_SETTINGS = {"ttt_enabled": ("ttt_mode",) + sum(TTT_MODE_SETTINGS.values(), ()),
-                    "num_loops": ("loop_start", "loop_end", "enable_looping_at"), "ve_enabled": ("ve_dim", "ve_layers"),
-                    "ema_enabled": ("ema_horizon", "ema_decay"), "bigram_vocab_size": ("bigram_dim",),
-                    "sparse_attn_gate_enabled": ("sparse_attn_gate_scale", "sparse_attn_gate_init_std")}
+# The values a number may take (a zero head count or a negative learning rate is a typo, not a run)
+POSITIVE, NON_NEGATIVE, FRACTION = "> 0", ">= 0", "in [0, 1)"
+IN_RANGE = {POSITIVE: lambda v: v > 0, NON_NEGATIVE: lambda v: v >= 0, FRACTION: lambda v: 0 <= v < 1}
 
 
-# Value ranges, checked before anything runs (a zero head count or a negative learning rate is a typo, not a run).
-POSITIVE = ("vocab_size", "num_layers", "model_dim", "num_heads", "num_kv_heads", "mlp_mult", "rope_base",
-            "train_seq_len", "train_batch_tokens", "eval_seq_len", "eval_stride", "val_batch_size", "bigram_dim",
-            "ve_dim", "muon_backend_steps", "adam_eps", "ttt_chunk_tokens", "ttt_batch_seqs", "ttt_grad_clip",
-            "ttt_lora_rank", "ttt_lora_alpha", "ttt_lora_lr", "ttt_chunk_size", "ttt_batch_size",
-            "sparse_attn_gate_scale", "gate_window")
-NON_NEGATIVE = ("iterations", "warmup_steps", "warmdown_iters", "max_wallclock_seconds", "grad_accum_steps",
-                "mlp_negative_slope", "tied_embed_init_std", "logit_softcap", "xsa_last_n", "bigram_vocab_size",
-                "matrix_lr", "scalar_lr", "tied_embed_lr", "embed_lr", "head_lr", "muon_momentum_warmup_steps",
-                "muon_wd", "adam_wd", "embed_wd", "grad_clip_norm", "ema_horizon", "late_qat_threshold", "val_loss_every",
-                "train_log_every", "checkpoint_every", "ttt_lr", "ttt_epochs", "ttt_grad_steps", "ttt_freeze_blocks", "ttt_weight_decay",
-                "matrix_clip_sigmas", "mlp_clip_sigmas", "attn_clip_sigmas", "gptq_calibration_batches",
-                "gptq_reserve_seconds", "num_loops", "loop_start", "loop_end", "parallel_start_layer",
-                "sparse_attn_gate_init_std")
-FRACTIONS = ("muon_momentum", "muon_momentum_warmup_start", "beta1", "beta2", "ema_decay", "ttt_momentum",
-             "auto_size", "enable_looping_at", "min_lr")
-# The settings that define the model's function: stored in every artifact (EVAL_ONLY builds the model from them).
-MODEL_SETTINGS = ("vocab_size", "num_layers", "model_dim", "num_heads", "num_kv_heads", "mlp_mult",
-                  "mlp_negative_slope", "tie_embeddings", "rope_base", "rope_dims", "logit_softcap", "ln_scale",
-                  "xsa_last_n", "bigram_vocab_size", "bigram_dim", "smear_enabled", "ve_enabled", "ve_dim", "ve_layers",
-                  "num_loops", "loop_start", "loop_end", "parallel_start_layer", "parallel_final_lane",
-                  "skip_gates_enabled", "attn_out_gate_enabled", "sparse_attn_gate_enabled", "sparse_attn_gate_scale",
-                  "gate_window", "smear_bos_fix", "doc_isolation")
+def S(default, meaning: str, allowed: str | tuple = "", model: bool = False, on: str = ""):
+    """A setting: default, meaning (the README's table), allowed values (POSITIVE, NON_NEGATIVE, FRACTION, an
+    inclusive (lo, hi), or the choices of a string), whether it defines the model (stored in every artifact), and
+    the feature it belongs to (`on`: the setting that turns it on, or "ttt_mode=sgd"), which reports it if off."""
+    return field(default=default, metadata=dict(meaning=meaning, allowed=allowed, model=model, on=on))
 
 
 @dataclass(frozen=True)
 class Hyperparameters:
     # --- run / data
-    data_path: str = "./data/datasets/fineweb10B_sp1024"  # folder of fineweb_{train,val}_*.bin shards
-    tokenizer_path: str = "./data/tokenizers/fineweb_1024_bpe.model"  # SentencePiece model (val_bpb bytes)
-    run_id: str = ""  # log logs/<RUN_ID>.txt (letters, digits, -_.); empty = random; a taken one gets a suffix
-    seed: int = 1337  # torch/numpy seed: init and nothing else (data order is fixed)
-    vocab_size: int = 1024  # must equal the tokenizer's vocabulary
-    device: str = "auto"  # auto = cuda if available, else cpu
-    eval_only: str = ""  # path of an existing artifact: skip training, score it (the model settings are its own)
-    artifact_path: str = ""  # where the artifact is written (its folder must exist); empty = logs/<RUN_ID>.int6.ptz
-    checkpoint_every: float = 0.0  # seconds of training between checkpoints logs/<RUN_ID>.ckpt (0 = off)
-    resume: str = ""  # checkpoint to continue from; settings the environment leaves unset are the checkpoint's
+    data_path: str = S("./data/datasets/fineweb10B_sp1024", "folder of fineweb_{train,val}_*.bin shards")
+    tokenizer_path: str = S("./data/tokenizers/fineweb_1024_bpe.model", "SentencePiece model (val_bpb bytes)")
+    run_id: str = S("", "log logs/<RUN_ID>.txt (letters, digits, -_.); empty = random; a taken one gets a suffix")
+    seed: int = S(1337, "torch/numpy seed: init and nothing else (data order is fixed)", (0, 2 ** 32 - 1))
+    vocab_size: int = S(1024, "must equal the tokenizer's vocabulary (shards store uint16 ids)", (1, 65536), True)
+    device: str = S("auto", "auto = cuda if available, else cpu", ("auto", "cuda", "cpu"))
+    eval_only: str = S("", "path of an existing artifact: skip training, score it (the model settings are its own)")
+    artifact_path: str = S("", "where the artifact is written (its folder must exist); empty = logs/<RUN_ID>.int6.ptz")
+    checkpoint_every: float = S(0.0, "seconds of training between checkpoints logs/<RUN_ID>.ckpt (0 = off)",
+                                NON_NEGATIVE)
+    resume: str = S("", "checkpoint to continue from; settings the environment leaves unset are the checkpoint's")
     # --- schedule
-    iterations: int = 20000  # max optimizer steps
-    warmup_steps: int = 20  # compile warmup steps, then weights/optimizer/data are restored
-    warmdown_iters: int = 3500  # linear lr decay length, converted to wallclock when capped
-    max_wallclock_seconds: float = 600.0  # training cap (0 = iteration-based); a step starts only if CAP_MARGIN fits
-    train_batch_tokens: int = 786432  # global tokens per optimizer step
-    train_seq_len: int = 2048  # training sequence length (tokens)
-    grad_accum_steps: int = 0  # 0 = max(1, 8 // WORLD_SIZE): same global batch for 1..8 GPUs
-    compile_enabled: str = "auto"  # torch.compile: auto = on for CUDA, off for CPU
-    cuda_graphs: str = "auto"  # each micro-batch's forward+backward replayed as one CUDA graph: auto = on for CUDA
-    train_sampling: str = "sequential"  # sequential (shards in order) | coprime (strided over all shards)
+    iterations: int = S(20000, "max optimizer steps", NON_NEGATIVE)
+    warmup_steps: int = S(20, "compile warmup steps, then weights/optimizer/data are restored", NON_NEGATIVE)
+    warmdown_iters: int = S(3500, "linear lr decay length, converted to wallclock when capped", NON_NEGATIVE)
+    max_wallclock_seconds: float = S(600.0, "training cap (0 = iteration-based); a step starts only if "
+                                     "CAP_MARGIN fits", NON_NEGATIVE)
+    train_batch_tokens: int = S(786432, "global tokens per optimizer step", POSITIVE)
+    train_seq_len: int = S(2048, "training sequence length (tokens)", POSITIVE)
+    grad_accum_steps: int = S(0, "0 = max(1, 8 // WORLD_SIZE): same global batch for 1..8 GPUs", NON_NEGATIVE)
+    compile_enabled: str = S("auto", "torch.compile: auto = on for CUDA, off for CPU", ("auto", "0", "1"))
+    cuda_graphs: str = S("auto", "each micro-batch's forward+backward replayed as one CUDA graph: auto = on for "
+                         "CUDA", ("auto", "0", "1"))
+    train_sampling: str = S("sequential", "sequential (shards in order) | coprime (strided over all shards)",
+                            ("sequential", "coprime"))
     # --- model
-    num_layers: int = 11  # transformer blocks
-    model_dim: int = 512  # residual width
-    num_heads: int = 8  # query heads (head dim = MODEL_DIM / NUM_HEADS)
-    num_kv_heads: int = 4  # GQA
-    mlp_mult: float = 3.0  # MLP hidden = MLP_MULT * MODEL_DIM
-    mlp_negative_slope: float = 0.5  # LeakyReLU(slope)^2 MLP; 0 = relu^2
-    tie_embeddings: bool = True  # output head = token embedding
-    tied_embed_init_std: float = 0.005  # token embedding init std
-    rope_base: float = 10000.0  # explicit: no silent length rescaling (the reference's ran at ~22,082)
-    rope_dims: int = 16  # partial RoPE: rotate the first ROPE_DIMS of each head
-    logit_softcap: float = 30.0  # tanh softcap on logits (0 = off)
-    qk_gain_init: float = 1.5  # per-head query gain after q/k RMSNorm
-    ln_scale: bool = True  # scale block inputs by 1/sqrt(layer+1)
-    xsa_last_n: int = 11  # exclusive self-attention on the last N layers
-    bigram_vocab_size: int = 1536  # BigramHash buckets (0 = off)
-    bigram_dim: int = 128  # BigramHash table width (projected to MODEL_DIM)
-    smear_enabled: bool = True  # SmearGate on the embedding
-    ve_enabled: bool = True  # shared value embedding added to V
-    ve_dim: int = 128  # value-embedding table width (projected to the KV width)
-    ve_layers: str = "-2,-1"  # comma-separated layer indices; negative ones count back from NUM_LAYERS (-1: the last)
-    num_loops: int = 0  # depth recurrence: layers LOOP_START..LOOP_END run NUM_LOOPS more times, same weights (0 = off)
-    loop_start: int = 3  # first layer of the looped segment
-    loop_end: int = 5  # last layer of the looped segment (inclusive)
-    enable_looping_at: float = 0.35  # training progress at which the repeats start (scoring always runs them)
+    num_layers: int = S(11, "transformer blocks", POSITIVE, True)
+    model_dim: int = S(512, "residual width", POSITIVE, True)
+    num_heads: int = S(8, "query heads (head dim = MODEL_DIM / NUM_HEADS)", POSITIVE, True)
+    num_kv_heads: int = S(4, "GQA", POSITIVE, True)
+    mlp_mult: float = S(3.0, "MLP hidden = MLP_MULT * MODEL_DIM", POSITIVE, True)
+    mlp_negative_slope: float = S(0.5, "LeakyReLU(slope)^2 MLP; 0 = relu^2", NON_NEGATIVE, True)
+    tie_embeddings: bool = S(True, "output head = token embedding", model=True)
+    tied_embed_init_std: float = S(0.005, "token embedding init std", NON_NEGATIVE)
+    rope_base: float = S(10000.0, "explicit: no silent length rescaling (the reference's ran at ~22,082)",
+                         POSITIVE, True)
+    rope_dims: int = S(16, "partial RoPE: rotate the first ROPE_DIMS of each head (even, <= head dim)", model=True)
+    logit_softcap: float = S(30.0, "tanh softcap on logits (0 = off)", NON_NEGATIVE, True)
+    qk_gain_init: float = S(1.5, "per-head query gain after q/k RMSNorm")
+    ln_scale: bool = S(True, "scale block inputs by 1/sqrt(layer+1)", model=True)
+    xsa_last_n: int = S(11, "exclusive self-attention on the last N layers", NON_NEGATIVE, True)
+    bigram_vocab_size: int = S(1536, "BigramHash buckets (0 = off)", NON_NEGATIVE, True)
+    bigram_dim: int = S(128, "BigramHash table width (projected to MODEL_DIM)", POSITIVE, True, "bigram_vocab_size")
+    smear_enabled: bool = S(True, "SmearGate on the embedding", model=True)
+    ve_enabled: bool = S(True, "shared value embedding added to V", model=True)
+    ve_dim: int = S(128, "value-embedding table width (projected to the KV width)", POSITIVE, True, "ve_enabled")
+    ve_layers: str = S("-2,-1", "comma-separated layer indices; negative ones count back from NUM_LAYERS (-1: the "
+                       "last)", model=True, on="ve_enabled")
+    num_loops: int = S(0, "depth recurrence: layers LOOP_START..LOOP_END run NUM_LOOPS more times, same weights "
+                       "(0 = off)", NON_NEGATIVE, True)
+    loop_start: int = S(3, "first layer of the looped segment", NON_NEGATIVE, True, "num_loops")
+    loop_end: int = S(5, "last layer of the looped segment (inclusive)", NON_NEGATIVE, True, "num_loops")
+    enable_looping_at: float = S(0.35, "training progress at which the repeats start (scoring always runs them)",
+                                 FRACTION, on="num_loops")
     # The 2026-04-27 record's lanes, gates and optimizer settings (below, on by default) together: -0.033 bpb on
     # pqb-t at equal time for +5.2% record step (lanes -0.008, the rest -0.025: records/PERFORMANCE.md)
-    parallel_start_layer: int = 8  # decoder layers from this one on: two residual lanes (0 = off; past the depth: none)
-    parallel_final_lane: str = "mean"  # what leaves the two lanes: mean | attn | mlp (that lane)
-    skip_gates_enabled: bool = True  # U-Net skips through a per-channel gate: sig(g) x + (1 - sig(g)) skip, g0 = 0
-    attn_out_gate_enabled: bool = False  # per-head attention output x 2 sig(W h[:GATE_WINDOW]) (W = 0: 1 at init)
-    sparse_attn_gate_enabled: bool = True  # per-head attention output x sig(SCALE W h[:GATE_WINDOW]) (0.5 at init)
-    sparse_attn_gate_scale: float = 0.5  # SCALE of the sparse gate
-    sparse_attn_gate_init_std: float = 0.0  # its W's init std (0 = zeros)
-    gate_window: int = 12  # leading channels of the attention input h (normalised) that the output gates read
-    smear_bos_fix: bool = True  # SmearGate mixes nothing into a document's first token (BOS) from the one before
-    doc_isolation: bool = False  # nothing crosses a BOS: block-diagonal causal attention, BigramHash (train and score)
-    attn_backend: str = "auto"  # auto = fa3 if importable, else SDPA cudnn (CUDA) / math (CPU); varlen: DOC_ISOLATION on CUDA
-    kernels: str = "auto"  # q/k norm+RoPE+gain, XSA, soft-capped cross entropy: auto = triton on CUDA, torch ops on CPU (triton there needs TRITON_INTERPRET=1)
+    parallel_start_layer: int = S(8, "decoder layers from this one on: two residual lanes (0 = off; past the depth: "
+                                  "none)", NON_NEGATIVE, True)
+    parallel_final_lane: str = S("mean", "what leaves the two lanes: mean | attn | mlp (that lane)",
+                                 ("mean", "attn", "mlp"), True)
+    skip_gates_enabled: bool = S(True, "U-Net skips through a per-channel gate: sig(g) x + (1 - sig(g)) skip, g0 = 0",
+                                 model=True)
+    attn_out_gate_enabled: bool = S(False, "per-head attention output x 2 sig(W h[:GATE_WINDOW]) (W = 0: 1 at init)",
+                                    model=True)
+    sparse_attn_gate_enabled: bool = S(True, "per-head attention output x sig(SCALE W h[:GATE_WINDOW]) (0.5 at "
+                                       "init)", model=True)
+    sparse_attn_gate_scale: float = S(0.5, "SCALE of the sparse gate", POSITIVE, True, "sparse_attn_gate_enabled")
+    sparse_attn_gate_init_std: float = S(0.0, "its W's init std (0 = zeros)", NON_NEGATIVE,
+                                         on="sparse_attn_gate_enabled")
+    gate_window: int = S(12, "leading channels of the attention input h (normalised) that the output gates read",
+                         POSITIVE, True)
+    smear_bos_fix: bool = S(True, "SmearGate mixes nothing into a document's first token (BOS) from the one before",
+                            model=True)
+    doc_isolation: bool = S(False, "nothing crosses a BOS: block-diagonal causal attention, BigramHash (train and "
+                            "score)", model=True)
+    attn_backend: str = S("auto", "auto = fa3 if importable, else SDPA cudnn (CUDA) / math (CPU); varlen: "
+                          "DOC_ISOLATION on CUDA", ("auto", "fa3", "flash", "cudnn", "math", "varlen"))
+    kernels: str = S("auto", "q/k norm+RoPE+gain, XSA, soft-capped cross entropy: auto = triton on CUDA, torch ops "
+                     "on CPU (triton there needs TRITON_INTERPRET=1)", ("auto", "triton", "torch"))
     # --- optimizer
-    matrix_lr: float = 0.025  # Muon lr for the four banks
-    scalar_lr: float = 0.025  # AdamW lr for control tensors and small projections
-    tied_embed_lr: float = 0.035  # AdamW lr for token/bigram/value-embedding tables (tied head)
-    embed_lr: float = 0.6  # table lr when embeddings are untied
-    head_lr: float = 0.008  # untied lm_head lr
-    muon_momentum: float = 0.97  # Muon Nesterov momentum after warmup
-    muon_momentum_warmup_start: float = 0.92  # Muon momentum at step 0
-    muon_momentum_warmup_steps: int = 1500  # linear momentum warmup length
-    muon_backend_steps: int = 5  # Newton-Schulz iterations
-    muon_polar_express: bool = True  # Polar Express: per-iteration NS coefficients (the last repeats past 5)
-    muon_row_normalize: bool = True  # MuonEq-R: each row of the update divided by its norm before NS
-    muon_wd: float = 0.04  # decoupled weight decay on the banks
-    min_lr: float = 0.1  # floor of the lr scale in the warmdown (must stay below LATE_QAT_THRESHOLD)
-    muon_reduce_dtype: str = "auto"  # bank grad reduce-scatter, momentum and NS dtype: auto = bf16 CUDA, fp32 CPU
-    adam_wd: float = 0.04  # AdamW weight decay of the control tensors and small projections
-    embed_wd: float = 0.04  # AdamW weight decay of the embedding tables (not the untied head)
-    beta1: float = 0.9  # AdamW beta1
-    beta2: float = 0.99  # AdamW beta2
-    adam_eps: float = 1e-8  # AdamW epsilon
-    grad_clip_norm: float = 0.3  # clip by the global norm of the reduced gradient (0 = off)
+    matrix_lr: float = S(0.025, "Muon lr for the four banks", NON_NEGATIVE)
+    scalar_lr: float = S(0.025, "AdamW lr for control tensors and small projections", NON_NEGATIVE)
+    tied_embed_lr: float = S(0.035, "AdamW lr for token/bigram/value-embedding tables (tied head)", NON_NEGATIVE)
+    embed_lr: float = S(0.6, "table lr when embeddings are untied", NON_NEGATIVE)
+    head_lr: float = S(0.008, "untied lm_head lr", NON_NEGATIVE)
+    muon_momentum: float = S(0.97, "Muon Nesterov momentum after warmup", FRACTION)
+    muon_momentum_warmup_start: float = S(0.92, "Muon momentum at step 0", FRACTION)
+    muon_momentum_warmup_steps: int = S(1500, "linear momentum warmup length", NON_NEGATIVE)
+    muon_backend_steps: int = S(5, "Newton-Schulz iterations", POSITIVE)
+    muon_polar_express: bool = S(True, "Polar Express: per-iteration NS coefficients (the last repeats past 5)")
+    muon_row_normalize: bool = S(True, "MuonEq-R: each row of the update divided by its norm before NS")
+    muon_wd: float = S(0.04, "decoupled weight decay on the banks", NON_NEGATIVE)
+    min_lr: float = S(0.1, "floor of the lr scale in the warmdown (must stay below LATE_QAT_THRESHOLD)", FRACTION)
+    muon_reduce_dtype: str = S("auto", "bank grad reduce-scatter, momentum and NS dtype: auto = bf16 CUDA, fp32 CPU",
+                               ("auto", "bf16", "fp32"))
+    adam_wd: float = S(0.04, "AdamW weight decay of the control tensors and small projections", NON_NEGATIVE)
+    embed_wd: float = S(0.04, "AdamW weight decay of the embedding tables (not the untied head)", NON_NEGATIVE)
+    beta1: float = S(0.9, "AdamW beta1", FRACTION)
+    beta2: float = S(0.99, "AdamW beta2", FRACTION)
+    adam_eps: float = S(1e-8, "AdamW epsilon", POSITIVE)
+    grad_clip_norm: float = S(0.3, "clip by the global norm of the reduced gradient (0 = off)", NON_NEGATIVE)
     # --- averaging / QAT
-    ema_enabled: bool = True  # keep an EMA of all weights and export it
-    ema_horizon: float = 0.08  # EMA time constant as a fraction of the run (ITERATIONS, or the wallclock cap)
-    ema_decay: float = 0.0  # fixed per-step decay instead (the reference's 0.997); 0 = from EMA_HORIZON
-    late_qat_threshold: float = 0.15  # fake-quantize banks to int6 once lr scale < this (0 = off)
+    ema_enabled: bool = S(True, "keep an EMA of all weights and export it")
+    ema_horizon: float = S(0.08, "EMA time constant as a fraction of the run (ITERATIONS, or the wallclock cap)",
+                           NON_NEGATIVE, on="ema_enabled")
+    ema_decay: float = S(0.0, "fixed per-step decay instead (the reference's 0.997); 0 = from EMA_HORIZON",
+                         FRACTION, on="ema_enabled")
+    late_qat_threshold: float = S(0.15, "fake-quantize banks to int6 once lr scale < this (0 = off)", (0, 1))
     # --- eval / logging / export
-    eval_seq_len: int = 2048  # sliding-window scoring window
-    eval_stride: int = 64  # tokens scored per window (after the first)
-    sliding_eval_enabled: bool = True  # the EVAL_STRIDE sliding scores (7.7 + 2.4 s on the proxy, H200); 0 (needs TTT): skip
-    val_loss_every: int = 4000  # plain val scoring every N steps (0 = only at the end)
-    val_batch_size: int = 524288  # scoring tokens per forward over all ranks x grad-accum slots
-    train_log_every: int = 500  # train_loss line every N steps (and the first 10)
-    compressor: str = "auto"  # auto (smallest of rans, zstd, lzma) | rans | zstd | lzma | fast (zstd-3 for sweeps: 0.2 s)
-    int6_scale_floor: float = 1 / 31  # floor on int6 row scales: coarsens tiny rows, compresses better
-    matrix_clip_sigmas: float = 0.0  # bank row scale = k * std(row) / 31 (SD clip); 0 = the clip search
-    mlp_clip_sigmas: float = 0.0  # SD clip k of the MLP matrices; 0 = MATRIX_CLIP_SIGMAS
-    attn_clip_sigmas: float = 0.0  # SD clip k of the attention matrices; 0 = MATRIX_CLIP_SIGMAS
-    embed_bits: int = 8  # bits of the big tables' codes (EMBED_TABLES, an untied head): 4..8
-    gptq_calibration_batches: int = 0  # GPTQ for the banks, X^T X from this many train micro-batches per rank; 0 = off
-    gptq_reserve_seconds: float = 0.0  # under the wallclock cap, training stops this much earlier for the calibration
-    auto_size: float = 0.0  # MLP width (or bigram table, MLP_MULT set) filling this fraction of the limit; 0 = off
+    eval_seq_len: int = S(2048, "sliding-window scoring window", POSITIVE)
+    eval_stride: int = S(64, "tokens scored per window (after the first)", POSITIVE)
+    sliding_eval_enabled: bool = S(True, "the EVAL_STRIDE sliding scores (7.7 + 2.4 s on the proxy, H200); 0 (needs "
+                                   "TTT): skip")
+    val_loss_every: int = S(4000, "plain val scoring every N steps (0 = only at the end)", NON_NEGATIVE)
+    val_batch_size: int = S(524288, "scoring tokens per forward over all ranks x grad-accum slots", POSITIVE)
+    train_log_every: int = S(500, "train_loss line every N steps (and the first 10)", NON_NEGATIVE)
+    compressor: str = S("auto", "auto (smallest of rans, zstd, lzma) | rans | zstd | lzma | fast (zstd-3 for sweeps: "
+                        "0.2 s)", ("auto", "zstd", "lzma", "fast", "rans"))
+    int6_scale_floor: float = S(1 / 31, "floor on int6 row scales: coarsens tiny rows, compresses better")
+    matrix_clip_sigmas: float = S(0.0, "bank row scale = k * std(row) / 31 (SD clip); 0 = the clip search",
+                                  NON_NEGATIVE)
+    mlp_clip_sigmas: float = S(0.0, "SD clip k of the MLP matrices; 0 = MATRIX_CLIP_SIGMAS", NON_NEGATIVE)
+    attn_clip_sigmas: float = S(0.0, "SD clip k of the attention matrices; 0 = MATRIX_CLIP_SIGMAS", NON_NEGATIVE)
+    embed_bits: int = S(8, "bits of the big tables' codes (EMBED_TABLES, an untied head)", (4, 8))
+    gptq_calibration_batches: int = S(0, "GPTQ for the banks, X^T X from this many train micro-batches per rank; "
+                                      "0 = off", NON_NEGATIVE)
+    gptq_reserve_seconds: float = S(0.0, "under the wallclock cap, training stops this much earlier for the "
+                                    "calibration", NON_NEGATIVE)
+    auto_size: float = S(0.0, "MLP width (or bigram table, MLP_MULT set) filling this fraction of the limit; 0 = off",
+                         FRACTION)
     # --- legal test-time training (score first, then train; after the final scoring)
-    ttt_enabled: bool = False  # run legal TTT on the read-back artifact and log legal_ttt
+    ttt_enabled: bool = S(False, "run legal TTT on the read-back artifact and log legal_ttt")
     # lora gained 0.0089 / 0.0081 on the defaults' pqb artifacts (seeds 1337 / 42), sgd 0.0011 on the first
-    ttt_mode: str = "lora"  # lora: per-document LoRA adapters; sgd: full-parameter SGD over the stream's chunks
-    ttt_lr: float = 0.006  # sgd: lr, cosine-decayed over chunks (0.006 beat the reference's 0.002 on the PQB)
-    ttt_epochs: int = 3  # sgd: passes over each chunk after it is scored (0 = score only)
-    ttt_chunk_tokens: int = 32768  # sgd: targets per chunk
-    ttt_freeze_blocks: int = 0  # sgd: first N blocks stay frozen
-    ttt_momentum: float = 0.9  # sgd: SGD momentum
-    ttt_batch_seqs: int = 32  # sgd: sequences (TRAIN_SEQ_LEN) per TTT step, over all ranks
-    ttt_grad_clip: float = 1.0  # sgd: global grad-norm clip
-    ttt_lora_rank: int = 80  # lora: adapter rank (q, k, v, o and MLP of every layer, and the head)
-    ttt_lora_alpha: float = 144.0  # lora: adapter output x ALPHA / RANK
-    ttt_lora_lr: float = 3e-4  # lora: AdamW lr (betas 0, 0.99; eps 1e-10); 3e-4 gained 0.0085 on pqb, 1e-4 0.0053
-    ttt_weight_decay: float = 0.5  # lora: AdamW weight decay of the adapters
-    ttt_grad_steps: int = 1  # lora: AdamW steps on each chunk after it is scored (0 = score only); 2 at lr 1e-4: -0.0063 vs -0.0055, twice the time
-    # 64 = EVAL_STRIDE: each later window is one chunk (the records' 48 splits it: proxy val, 105M row tokens vs 54M)
-    ttt_chunk_size: int = 64  # lora: targets per chunk of a document (scored, then trained on)
-    ttt_batch_size: int = 64  # lora: documents per lockstep batch (rows of a step) on each rank
+    ttt_mode: str = S("lora", "lora: per-document LoRA adapters; sgd: full-parameter SGD over the stream's chunks",
+                      ("sgd", "lora"), on="ttt_enabled")
+    ttt_lr: float = S(0.006, "lr, cosine-decayed over chunks (0.006 beat the reference's 0.002 on the PQB)",
+                      NON_NEGATIVE, on="ttt_mode=sgd")
+    ttt_epochs: int = S(3, "passes over each chunk after it is scored (0 = score only)", NON_NEGATIVE,
+                        on="ttt_mode=sgd")
+    ttt_chunk_tokens: int = S(32768, "targets per chunk", POSITIVE, on="ttt_mode=sgd")
+    ttt_freeze_blocks: int = S(0, "first N blocks stay frozen", NON_NEGATIVE, on="ttt_mode=sgd")
+    ttt_momentum: float = S(0.9, "SGD momentum", FRACTION, on="ttt_mode=sgd")
+    ttt_batch_seqs: int = S(32, "sequences (TRAIN_SEQ_LEN) per TTT step, over all ranks", POSITIVE, on="ttt_mode=sgd")
+    ttt_grad_clip: float = S(1.0, "global grad-norm clip", POSITIVE, on="ttt_mode=sgd")
+    ttt_lora_rank: int = S(80, "adapter rank (q, k, v, o and MLP of every layer, and the head)", POSITIVE,
+                           on="ttt_mode=lora")
+    ttt_lora_alpha: float = S(144.0, "adapter output x ALPHA / RANK", POSITIVE, on="ttt_mode=lora")
+    ttt_lora_lr: float = S(3e-4, "AdamW lr (betas 0, 0.99; eps 1e-10); 3e-4 gained 0.0085 on pqb, 1e-4 0.0053",
+                           POSITIVE, on="ttt_mode=lora")
+    ttt_weight_decay: float = S(0.5, "AdamW weight decay of the adapters", NON_NEGATIVE, on="ttt_mode=lora")
+    ttt_grad_steps: int = S(1, "AdamW steps on each chunk after it is scored (0 = score only); 2 at lr 1e-4: -0.0063 "
+                            "vs -0.0055, twice the time", NON_NEGATIVE, on="ttt_mode=lora")
+    ttt_chunk_size: int = S(64, "targets per chunk of a document (scored, then trained on); 64 = EVAL_STRIDE: a "
+                            "later window is one chunk", POSITIVE, on="ttt_mode=lora")
+    ttt_batch_size: int = S(64, "documents per lockstep batch (rows of a step) on each rank", POSITIVE,
+                            on="ttt_mode=lora")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> tuple["Hyperparameters", list[str]]:
@@ -236,8 +241,7 @@ class Hyperparameters:
         heads = {name.split("_")[0] for name in by_env} - GENERIC_WORDS
         for key, raw in env.items():
             if key in by_env:
-                f = by_env[key]
-                values[f.name] = _parse_value(key, raw, f.type, CHOICES.get(f.name))
+                values[by_env[key].name] = _parse_value(key, raw, by_env[key].type)
             elif key in DROPPED_SETTINGS or key.startswith(DROPPED_PREFIXES):
                 warnings.append(f"setting {key} is not supported by this script and is ignored")
             elif key.startswith(FOREIGN_PREFIXES) or key in ("RANK", "WORLD_SIZE"):
@@ -252,14 +256,21 @@ class Hyperparameters:
         cfg.validate()
         return cfg, warnings
 
+    def ignored(self, name: str) -> str:
+        """Why setting `name` is not read with these settings ("" if it is): its feature (S's `on`) is off."""
+        on = SETTINGS[name].metadata["on"]
+        if not on:
+            return ""
+        key, _, mode = on.partition("=")
+        value, why = getattr(self, key), self.ignored(key)
+        if why or mode:
+            return why or ("" if value == mode else f"is {key.upper()}={mode}'s; {key.upper()}={value} ignores it")
+        return "" if value else f"is ignored: {key.upper()}={value} turns its feature off"
+
     def unread(self, explicit: set[str]) -> list[str]:
         """Warnings, once a checkpoint's or artifact's settings are adopted, for settings in `explicit` (field names)
-        of a TTT mode or feature that is off, and for a step-capped warmdown longer than the run."""
-        out = [f"setting {n.upper()} is TTT_MODE={mode}'s; TTT_MODE={self.ttt_mode} ignores it"
-               for mode, names in TTT_MODE_SETTINGS.items() for n in names
-               if n in explicit and self.ttt_enabled and self.ttt_mode != mode]
-        out += [f"setting {n.upper()} is ignored: {on.upper()}={getattr(self, on)} turns its feature off"
-                for on, names in FEATURE_SETTINGS.items() for n in names if n in explicit and not getattr(self, on)]
+        that these settings do not read, and for a step-capped warmdown longer than the run."""
+        out = [f"setting {n.upper()} {self.ignored(n)}" for n in SETTINGS if n in explicit and self.ignored(n)]
         if self.max_wallclock_seconds == 0 and self.warmdown_iters > self.iterations:
             out.append(f"WARMDOWN_ITERS={self.warmdown_iters} > ITERATIONS={self.iterations} (a step-capped run): "
                        f"the lr starts at {self.iterations / self.warmdown_iters:.3f} of its peak")
@@ -269,20 +280,23 @@ class Hyperparameters:
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ValueError(msg)
-        for names, ok, what in ((POSITIVE, lambda v: v > 0, "> 0"), (NON_NEGATIVE, lambda v: v >= 0, ">= 0"),
-                                (FRACTIONS, lambda v: 0 <= v < 1, "in [0, 1)")):
-            for n in names:
-                need(ok(getattr(self, n)), f"{n.upper()}={getattr(self, n)} is out of range: it must be {what}")
+        for n, f in SETTINGS.items():
+            v, allowed = getattr(self, n), f.metadata["allowed"]
+            if isinstance(allowed, tuple) and isinstance(allowed[0], str):
+                need(v in allowed, f"{n.upper()}={v!r} is not one of {', '.join(allowed)}")
+            elif isinstance(allowed, tuple):
+                need(allowed[0] <= v <= allowed[1], f"{n.upper()}={v} is out of range: it must be in "
+                     f"{allowed[0]}..{allowed[1]}")
+            elif allowed:
+                need(IN_RANGE[allowed](v), f"{n.upper()}={v} is out of range: it must be {allowed}")
         need(re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)?", self.run_id) is not None,
              f"RUN_ID {self.run_id!r} is not a plain name (letters, digits, '-', '_', '.'; it names files in logs/)")
         need(not (self.resume and self.eval_only), "RESUME and EVAL_ONLY exclude each other")
-        need(self.vocab_size <= 65536, "VOCAB_SIZE must be <= 65536 (shards store uint16 token ids)")
         need(self.bigram_vocab_size != 1, "BIGRAM_VOCAB_SIZE must be 0 (off) or >= 2")
         need(self.model_dim % self.num_heads == 0,
              f"MODEL_DIM={self.model_dim} must divide by NUM_HEADS={self.num_heads}")
         need(self.num_heads % self.num_kv_heads == 0,
              f"NUM_HEADS={self.num_heads} must divide by NUM_KV_HEADS={self.num_kv_heads}")
-        need(0 <= self.seed < 2 ** 32, f"SEED={self.seed} is out of range: numpy's seeds are 0..2^32-1")
         need(round(self.mlp_mult * self.model_dim, 6) >= 1,
              f"MLP_MULT={self.mlp_mult} x MODEL_DIM={self.model_dim} rounds to an MLP of 0 units")
         need(self.rope_dims % 2 == 0 and 0 <= self.rope_dims <= self.head_dim, "ROPE_DIMS: even, <= head dim")
@@ -306,8 +320,6 @@ class Hyperparameters:
         need(self.attn_gate_window <= self.model_dim, "GATE_WINDOW must be <= MODEL_DIM")
         need(not (self.doc_isolation and self.smear_enabled and not self.smear_bos_fix),
              "DOC_ISOLATION=1 needs SMEAR_BOS_FIX=1 (the SmearGate would carry the previous document into a BOS)")
-        need(self.late_qat_threshold <= 1, f"LATE_QAT_THRESHOLD={self.late_qat_threshold} is out of range: the lr "
-             "scale it compares with is at most 1")
         need(self.late_qat_threshold == 0 or self.min_lr < self.late_qat_threshold,
              "MIN_LR must be below LATE_QAT_THRESHOLD: late QAT starts when the lr scale falls under it")
         need(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
@@ -315,7 +327,6 @@ class Hyperparameters:
              "SLIDING_EVAL_ENABLED=0 needs TTT_ENABLED=1 (without TTT the sliding score is the final score)")
         need(self.max_wallclock_seconds == 0 or self.gptq_reserve_seconds < self.max_wallclock_seconds,
              "GPTQ_RESERVE_SECONDS must be below MAX_WALLCLOCK_SECONDS")
-        need(4 <= self.embed_bits <= 8, "EMBED_BITS must be in 4..8 (codes are stored as int8)")
         # scales are stored (and applied) as fp16: a smaller floor rounds to 0 and turns all-zero rows into 0/0
         need(self.int6_scale_floor >= 2.0 ** -14, "INT6_SCALE_FLOOR must be >= 2^-14 (6.1e-5), fp16's smallest normal")
 
@@ -339,7 +350,12 @@ class Hyperparameters:
         return [int(s) % self.num_layers for s in self.ve_layers.split(",") if s.strip()] if self.ve_enabled else []
 
 
-def _parse_value(key: str, raw: str, typ: str, choices: tuple[str, ...] | None):
+SETTINGS = {f.name: f for f in fields(Hyperparameters)}
+# The settings that define the model's function: stored in every artifact (EVAL_ONLY builds the model from them).
+MODEL_SETTINGS = tuple(n for n, f in SETTINGS.items() if f.metadata["model"])
+
+
+def _parse_value(key: str, raw: str, typ: str):
     try:
         if typ == "bool":
             return {"0": False, "1": True, "false": False, "true": True}[raw.strip().lower()]
@@ -348,8 +364,6 @@ def _parse_value(key: str, raw: str, typ: str, choices: tuple[str, ...] | None):
             raise ValueError
     except (KeyError, ValueError):
         raise ValueError(f"malformed value for {key}: {raw!r} (expected {typ})") from None
-    if choices is not None and value not in choices:
-        raise ValueError(f"malformed value for {key}: {raw!r} (expected one of {', '.join(choices)})")
     return value
 
 
@@ -423,18 +437,18 @@ class Runtime:
     kernels: str = "torch"  # triton | torch: who runs q/k norm+RoPE, XSA and the training loss
     compile_enabled: bool = False
     cuda_graphs: bool = False
-    grad_accum: int = 1
+    grad_accum_steps: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     def describe(self) -> str:
-        return (f"layout world_size:{self.world_size} grad_accum_steps:{self.grad_accum} attn_backend:{self.attn_backend} "
+        return (f"layout world_size:{self.world_size} grad_accum_steps:{self.grad_accum_steps} attn_backend:{self.attn_backend} "
                 f"kernels:{self.kernels} compile:{int(self.compile_enabled)} cuda_graphs:{int(self.cuda_graphs)}")
 
 
-def grad_accum_steps(cfg: Hyperparameters, world_size: int) -> int:
+def resolve_grad_accum_steps(cfg: Hyperparameters, world_size: int) -> int:
     accum = cfg.grad_accum_steps or max(1, 8 // world_size)
     if cfg.train_batch_tokens % (world_size * accum * cfg.train_seq_len):
         raise ValueError(f"TRAIN_BATCH_TOKENS={cfg.train_batch_tokens} does not divide into WORLD_SIZE={world_size}"
@@ -474,7 +488,7 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
     kernels = cfg.kernels if cfg.kernels != "auto" else ("triton" if cuda and triton is not None else "torch")
     auto_on = {"auto": cuda, "1": True, "0": False}
     rt = Runtime(rank, world_size, local_rank, device, attn, kernels, auto_on[cfg.compile_enabled],
-                 auto_on[cfg.cuda_graphs], grad_accum_steps(cfg, world_size))
+                 auto_on[cfg.cuda_graphs], resolve_grad_accum_steps(cfg, world_size))
     configure_inductor()
     if cuda:
         torch.cuda.set_device(device)
@@ -1032,12 +1046,12 @@ class TrainLoader:
         self.tokens = sum(map(shard_token_count, files))  # with the sampling, what a position is in (RESUME checks it)
         self.data = f"TRAIN_SAMPLING={cfg.train_sampling} over {len(files)} shards of {self.tokens} tokens"
         self.rt, self.seq_len, self.seqs_per_step = rt, cfg.train_seq_len, cfg.train_batch_tokens // cfg.train_seq_len
-        self.seqs_per_micro = self.seqs_per_step // (rt.world_size * rt.grad_accum)
+        self.seqs_per_micro = self.seqs_per_step // (rt.world_size * rt.grad_accum_steps)
         self.ahead = None  # (sampler state before it, x, y, copy-done event) of the prefetched step
         varlen = cfg.doc_isolation and rt.attn_backend == "varlen"
         self.max_docs = self.seqs_per_micro * (1 + cfg.train_seq_len // DOC_BOUNDARY_TOKENS) if varlen else 0
         if rt.device.type == "cuda":
-            shape = (rt.grad_accum * self.seqs_per_micro, self.seq_len)
+            shape = (rt.grad_accum_steps * self.seqs_per_micro, self.seq_len)
             self.host = [[torch.empty(shape, dtype=torch.int64, pin_memory=True) for _ in "xy"] for _ in "ab"]
             self.copied = [torch.cuda.Event(), torch.cuda.Event()]  # last copy out of each pinned pair
             self.stream, self.flip = torch.cuda.Stream(rt.device), 0
@@ -1049,9 +1063,9 @@ class TrainLoader:
         except ShardError:  # the position stays before this batch, where a checkpoint resumes
             self.sampler.load_state_dict(state)
             raise
-        mine = np.concatenate([seqs[(m * W + self.rt.rank) * s:][:s] for m in range(self.rt.grad_accum)])
+        mine = np.concatenate([seqs[(m * W + self.rt.rank) * s:][:s] for m in range(self.rt.grad_accum_steps)])
         if self.max_docs:  # varlen's fixed-size cu_seqlens: more documents would merge
-            docs = (mine[:, 1:-1] == BOS_ID).reshape(self.rt.grad_accum, -1).sum(1) + s  # row starts and BOS
+            docs = (mine[:, 1:-1] == BOS_ID).reshape(self.rt.grad_accum_steps, -1).sum(1) + s  # row starts and BOS
             if docs.max() > self.max_docs:
                 raise ValueError(f"a micro-batch holds {docs.max()} documents, more than varlen's cu_seqlens holds "
                                  f"({self.max_docs}: one per {DOC_BOUNDARY_TOKENS} tokens); use ATTN_BACKEND=math")
@@ -1089,7 +1103,7 @@ class TrainLoader:
             compute.wait_event(done)
             x.record_stream(compute), y.record_stream(compute)
         s = self.seqs_per_micro
-        return [(x[m * s:(m + 1) * s], y[m * s:(m + 1) * s]) for m in range(self.rt.grad_accum)]
+        return [(x[m * s:(m + 1) * s], y[m * s:(m + 1) * s]) for m in range(self.rt.grad_accum_steps)]
 
     def state_dict(self) -> dict:
         """Position of the next batch next_batch() will return, and the data it is a position in."""
@@ -1582,7 +1596,7 @@ def _qk_launch_args(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_H: Tens
 
 # Without a gain, x stands in for the unread gain pointers.
 @torch.library.triton_op("pgolf::qk_norm_rope", mutates_args=())
-def qk_norm_rope(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_H: Tensor | None) -> Tensor:
+def qk_norm_rope_triton(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_H: Tensor | None) -> Tensor:
     """qk_norm_rope_reference in one Triton kernel (CUDA, or the CPU under TRITON_INTERPRET=1)."""
     grid, n_rows, stride, T, meta, _ = _qk_launch_args(x_BTHD, cos_TF, sin_TF, gain_H)
     y = torch.empty(x_BTHD.shape, dtype=x_BTHD.dtype, device=x_BTHD.device)
@@ -1615,7 +1629,7 @@ def _qk_backward(ctx, dy):
     return dx, None, None, (dg.to(gain.dtype) if gain is not None else None)
 
 
-qk_norm_rope.register_autograd(_qk_backward, setup_context=_save_inputs)
+qk_norm_rope_triton.register_autograd(_qk_backward, setup_context=_save_inputs)
 
 
 # XSA. Inductor's fusion kept the normalised v in fp32 for the backward and took 3 + 4 kernels: about 12 ms
@@ -1685,7 +1699,7 @@ def _xsa_launch_args(y_BTHD: Tensor, v_BTKD: Tensor) -> tuple:
 
 
 @torch.library.triton_op("pgolf::xsa", mutates_args=())
-def exclusive_self_attention(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
+def exclusive_self_attention_triton(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
     """exclusive_self_attention_reference in one Triton kernel (CUDA, or the CPU under TRITON_INTERPRET=1)."""
     grid, n_rows, v_stride, meta = _xsa_launch_args(y_BTHD, v_BTKD)
     y = y_BTHD.contiguous()
@@ -1707,7 +1721,7 @@ def _xsa_backward(ctx, dout):
     return exclusive_self_attention_backward(dout, *ctx.saved_tensors)
 
 
-exclusive_self_attention.register_autograd(_xsa_backward, setup_context=_save_inputs)
+exclusive_self_attention_triton.register_autograd(_xsa_backward, setup_context=_save_inputs)
 
 
 # Soft-capped cross entropy. Inductor's fusion ran at 1.3 and 1.8 TB/s (159 + 223 us per record micro-batch):
@@ -1750,7 +1764,7 @@ if triton is not None:
         tl.store(dx_ptr + r * V + c, dz.to(dx_ptr.dtype.element_ty), mask=c < V)
 
 
-CE_MAX_VOCAB = 32768  # a row per program, in registers; wider rows take the torch ops (triton_loss)
+CE_MAX_VOCAB = 32768  # a row per program, in registers; wider rows take the torch ops (softcap_loss_triton)
 
 
 def _ce_launch_args(logits_NV: Tensor, targets_N: Tensor, cap: float) -> tuple:
@@ -1807,14 +1821,14 @@ def softcap_cross_entropy(logits_NV: Tensor, targets_N: Tensor, cap: float) -> T
     return _softcap_ce(logits_NV, targets_N, cap)[0]
 
 
-def triton_loss(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Tensor:
+def softcap_loss_triton(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Tensor:
     """The training loss through the kernel, or, for rows wider than CE_MAX_VOCAB, the torch ops (logged)."""
     if logits_NV.size(-1) > CE_MAX_VOCAB:
         return softcap_loss_reference(logits_NV, targets_N, cap)
     return softcap_cross_entropy(logits_NV, targets_N, cap).mean()
 
 
-TRITON_OPS = Ops(qk_norm_rope, exclusive_self_attention, triton_loss) if triton is not None else None
+TRITON_OPS = Ops(qk_norm_rope_triton, exclusive_self_attention_triton, softcap_loss_triton) if triton is not None else None
 
 
 def build_model(cfg: Hyperparameters, rt: Runtime) -> GPT:
@@ -1880,12 +1894,13 @@ def loss_and_bpb(sums: list[float]) -> tuple[float, float]:
 
 
 class Scorer:
-    """Scores a model on the validation tokens: windows batched, split across ranks, sums in float64.
-    Its public interface (tokens, windows, prepare, rows, score_windows) is also what legal TTT uses."""
+    """Scores a model on the validation tokens: windows batched, split across ranks, sums in float64. Every scorer
+    (plain and sliding windows, per document, both TTT modes) runs through loop() and scores rows with rows_nll()."""
 
-    def __init__(self, cfg: Hyperparameters, rt: Runtime, tokens: Tensor, luts):
+    def __init__(self, cfg: Hyperparameters, rt: Runtime, tokens: Tensor, luts, log: Logger | None = None):
         self.cfg, self.rt, self.luts, self.tokens = cfg, rt, luts, tokens.to(rt.device)
-        self.batch_seqs = max(1, cfg.val_batch_size // (rt.world_size * rt.grad_accum * cfg.eval_seq_len))
+        self.log = log if log is not None else Logger("", enabled=False)
+        self.batch_seqs = max(1, cfg.val_batch_size // (rt.world_size * rt.grad_accum_steps * cfg.eval_seq_len))
 
     def windows(self, stride: int, per_doc: bool = False) -> Tensor:
         """sliding_windows over the targets; with DOC_ISOLATION (or per_doc) over each document's own targets (BOS to
@@ -1900,14 +1915,14 @@ class Scorer:
         n, per_doc = self.tokens.numel() - 1, per_doc or self.cfg.doc_isolation
         return sorted({0} | set((self.tokens[:n] == BOS_ID).nonzero().flatten().tolist())) if per_doc else [0]
 
-    def prepare(self, model: GPT):
-        """model.logits of rows of windows (one document each under DOC_ISOLATION), compiled when enabled;
-        returns (fn, compile ms) from one fixed-shape call."""
-        fn = compiled(functools.partial(model.logits, one_doc=True), self.rt)
-        t0 = now_ms(self.rt.device)
+    def logits_fn(self, model: GPT) -> Callable:
+        """model.logits of rows of windows (one document each under DOC_ISOLATION), compiled when enabled."""
+        return compiled(functools.partial(model.logits, one_doc=True), self.rt)
+
+    def warm(self, fn: Callable) -> None:
+        """One fixed-shape call of a logits_fn: its compile."""
         with torch.inference_mode(), autocast(self.rt.device):
             fn(torch.zeros(self.batch_seqs, self.cfg.eval_seq_len, dtype=torch.int64, device=self.rt.device))
-        return fn, now_ms(self.rt.device) - t0
 
     def rows(self, starts_B: Tensor, lo_B: Tensor, hi_B: Tensor, length: int) -> tuple[Tensor, Tensor, Tensor]:
         """Inputs and targets of rows of `length` tokens from starts_B, and the mask of the targets at
@@ -1916,8 +1931,16 @@ class Scorer:
         idx = (starts_B[:, None] + pos).clamp(max=self.tokens.numel() - 2)
         return self.tokens[idx], self.tokens[idx + 1], (pos >= lo_B[:, None]) & (pos < hi_B[:, None])
 
+    def rows_nll(self, fn: Callable, w_B3: Tensor, length: int, *extra) -> tuple[Tensor, Tensor, tuple]:
+        """(logits, nll (B, length), rows (x, y, mask)) of windows w (start, first scored target, end) as rows of
+        `length` tokens: fn(x, *extra) scores the targets [first, end) of each."""
+        rows = self.rows(w_B3[:, 0], w_B3[:, 1] - w_B3[:, 0], w_B3[:, 2] - w_B3[:, 0], length)
+        with autocast(self.rt.device):
+            logits = fn(rows[0], *extra)
+        return logits, cross_entropy(logits.flatten(0, 1), rows[1].flatten(), reduction="none").view(rows[0].shape), rows
+
     @torch.inference_mode()
-    def score_windows(self, fn, wins: Tensor) -> Tensor:
+    def score_windows(self, fn: Callable, wins: Tensor) -> Tensor:
         """This rank's contiguous share of `wins` (rows of sliding_windows); returns its (nll, tokens,
         bytes) float64 sums, not yet reduced over ranks."""
         rt, B = self.rt, self.batch_seqs
@@ -1925,11 +1948,8 @@ class Scorer:
         sums = torch.zeros(3, dtype=torch.float64, device=rt.device)  # nll, tokens, bytes
         for b0 in range(0, mine.size(0), B):
             w = mine[b0: b0 + B]
-            w = F.pad(w, (0, 0, 0, B - w.size(0)))  # all-zero rows score nothing
-            x, y, mask = self.rows(w[:, 0], w[:, 1] - w[:, 0], w[:, 2] - w[:, 0], self.cfg.eval_seq_len)
-            with autocast(rt.device):
-                logits = fn(x)
-            sums += self.sums(cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(B, -1), x, y, mask)
+            _, nll, rows = self.rows_nll(fn, F.pad(w, (0, 0, 0, B - w.size(0))), self.cfg.eval_seq_len)  # zero rows
+            sums += self.sums(nll, *rows)  # (all-zero padding rows score nothing)
         return sums
 
     def sums(self, nll_BT: Tensor, x_BT: Tensor, y_BT: Tensor, mask_BT: Tensor) -> Tensor:
@@ -1938,28 +1958,42 @@ class Scorer:
         nbytes, m = base[y_BT].double() + (space[y_BT] & ~boundary[x_BT]).double(), mask_BT.double()
         return torch.stack(((nll_BT.double() * m).sum(), m.sum(), (nbytes * m).sum()))
 
+    def loop(self, warmup: Callable[[], None], steps: list, step: Callable[..., Tensor], progress: str = "",
+             done: list[int] | None = None, header: str = "") -> Score:
+        """The one scoring loop: warmup() (the compiles) before the timer, then step(s) for each of `steps`, each
+        returning this rank's (nll, tokens, bytes) sums; a `progress:done/total` line (done: per step, default
+        1, 2, ...) eight times over; the sums reduced over ranks once."""
+        rt, log, t0 = self.rt, self.log, now_ms(self.rt.device)
+        warmup()
+        compile_ms, done = now_ms(rt.device) - t0, done or list(range(1, len(steps) + 1))
+        if header:
+            log(f"{header} compile_time:{compile_ms:.0f}ms")
+        sums, t0 = torch.zeros(3, dtype=torch.float64, device=rt.device), now_ms(rt.device)
+        for k, s in enumerate(steps):
+            sums += step(s)
+            if progress and rt.is_main and (k + 1) % max(1, len(steps) // 8) == 0:
+                log(f"{progress}:{done[k]}/{done[-1]} rank0_bpb_so_far:{loss_and_bpb(sums.tolist())[1]:.4f} "
+                    f"time:{now_ms(rt.device) - t0:.0f}ms")
+        all_reduce_sum_(sums)
+        (loss, bpb), (_, ntok, nbytes) = loss_and_bpb(sums.tolist()), sums.tolist()
+        return Score(loss, bpb, int(ntok), int(nbytes), now_ms(rt.device) - t0, compile_ms)
+
     def __call__(self, model: GPT, stride: int, per_doc: bool = False) -> Score:
+        """The sliding-window score at `stride` (EVAL_SEQ_LEN: disjoint windows); per_doc: each document's own."""
         was_training = model.training
         model.eval()
-        fn, compile_ms = self.prepare(model)
-        t0 = now_ms(self.rt.device)
-        sums = self.score_windows(fn, self.windows(stride, per_doc))
-        all_reduce_sum_(sums)
+        fn = self.logits_fn(model)
+        score = self.loop(lambda: self.warm(fn), [stride], lambda s: self.score_windows(fn, self.windows(s, per_doc)))
         model.train(was_training)
-        return make_score(sums, now_ms(self.rt.device) - t0, compile_ms)
-
-
-def make_score(sums: Tensor, time_ms: float, compile_ms: float) -> Score:
-    (loss, bpb), (_, ntok, nbytes) = loss_and_bpb(sums.tolist()), sums.tolist()
-    return Score(loss, bpb, int(ntok), int(nbytes), time_ms, compile_ms)
+        return score
 
 
 # =============================================================================================
 # Legal test-time training: score a chunk, then train on it
 # =============================================================================================
 
-def legal_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log: Logger) -> Score:
-    """Score-first test-time training (the later records' legal TTT). The val targets are cut into
+def sgd_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> Score:
+    """TTT_MODE=sgd, score-first test-time training (the later records' legal TTT). The val targets are cut into
     TTT_CHUNK_TOKENS chunks; each chunk is first scored by the sliding-window scorer in inference mode
     (a window belongs to the chunk of its first scored target), then trained on with SGD + momentum
     (cosine lr over chunks, global-norm clip, gradients averaged over ranks). A token's score thus
@@ -1974,19 +2008,18 @@ def legal_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log
     params = [p for n, p in model.named_parameters() if not (n.startswith("blocks.") and int(n.split(".")[1]) in frozen)]
     opt = torch.optim.SGD(params, lr=cfg.ttt_lr, momentum=cfg.ttt_momentum)
     model.eval()
-    fn_score, compile_ms = scorer.prepare(model)
-    fn_train = compiled(model.logits, rt)  # rows cross documents: DOC_ISOLATION's mask
+    fn_score, fn_train = scorer.logits_fn(model), compiled(model.logits, rt)  # training rows cross documents
     rows = -(-cfg.ttt_batch_seqs // rt.world_size)  # fixed per-rank batch shape (padded): one compile
-    t0 = now_ms(rt.device)
-    if cfg.ttt_epochs > 0:  # compile the training graph (forward + backward) outside the timed loop
-        with autocast(rt.device):
-            fn_train(torch.zeros(rows, T, dtype=torch.int64, device=rt.device)).float().sum().backward()
-        opt.zero_grad(set_to_none=True)
-    compile_ms += now_ms(rt.device) - t0
-    sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
-    t0 = now_ms(rt.device)
-    for k in range(n_chunks):
-        sums += scorer.score_windows(fn_score, wins[win_chunk == k])
+
+    def warmup() -> None:
+        scorer.warm(fn_score)
+        if cfg.ttt_epochs > 0:  # the training graph (forward + backward) too
+            with autocast(rt.device):
+                fn_train(torch.zeros(rows, T, dtype=torch.int64, device=rt.device)).float().sum().backward()
+            opt.zero_grad(set_to_none=True)
+
+    def chunk(k: int) -> Tensor:
+        sums = scorer.score_windows(fn_score, wins[win_chunk == k])
         if k < n_chunks - 1 and cfg.ttt_epochs > 0:
             opt.param_groups[0]["lr"] = cfg.ttt_lr * 0.5 * (1 + math.cos(math.pi * k / max(n_chunks - 1, 1)))
             c1 = min((k + 1) * C, n_targets)
@@ -2007,11 +2040,8 @@ def legal_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log
                     ttt_sync_grads(model, params, frozen, L)
                     torch.nn.utils.clip_grad_norm_(params, cfg.ttt_grad_clip)
                     opt.step()
-        if rt.is_main and (k + 1) % max(1, n_chunks // 8) == 0:
-            log(f"ttt_chunk:{k + 1}/{n_chunks} rank0_bpb_so_far:{loss_and_bpb(sums.tolist())[1]:.4f} "
-                f"time:{now_ms(rt.device) - t0:.0f}ms")
-    all_reduce_sum_(sums)
-    return make_score(sums, now_ms(rt.device) - t0, compile_ms)
+        return sums
+    return scorer.loop(warmup, list(range(n_chunks)), chunk, "ttt_chunk")
 
 
 @torch.no_grad()
@@ -2042,9 +2072,9 @@ def frozen_weights(model: nn.Module):
             p.requires_grad_(True)
 
 
-def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log: Logger,
+def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
              probe: dict[str, Tensor] | None = None) -> Score:
-    """TTT_MODE=lora, score-first per document (FRONTIER 2.2). The scorer's per-document sliding windows (those
+    """TTT_MODE=lora, score-first per document. The scorer's per-document sliding windows (those
     of DOC_ISOLATION, whatever it is) are cut into chunks of TTT_CHUNK_SIZE scored targets, each keeping its
     window's start, so a chunk's targets see exactly the context they have in the per-document sliding score.
     Documents, longest first (every WORLD_SIZE-th on this rank), run in lockstep batches of TTT_BATCH_SIZE (the
@@ -2061,62 +2091,56 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, log:
     queue = sorted(docs, key=len, reverse=True)[rt.rank::rt.world_size]
     lora = DocLoRA(cfg, R, rt.device)
     model.eval()
-    with frozen_weights(model):  # gradients reach the adapters only
-        fn = compiled(functools.partial(model.logits, one_doc=True), rt)  # a row holds one document's window
-        t0 = now_ms(rt.device)
-        if rt.compile_enabled:  # forward and backward compiled before the timer: one graph for every rows x length
+    fn = scorer.logits_fn(model)  # a row holds one document's window
+
+    def warmup() -> None:
+        if rt.compile_enabled:  # forward and backward: one graph for every rows x length
             x = torch.zeros(R, T, dtype=torch.int64, device=rt.device)
             for dim in (0, 1):
                 torch._dynamo.maybe_mark_dynamic(x, dim)
             with autocast(rt.device):
                 fn(x, lora).float().sum().backward()
             lora.zero_grad(set_to_none=True)
-        compile_ms = now_ms(rt.device) - t0
-        if rt.is_main:
-            log(f"ttt_lora documents:{len(docs)} chunks:{sum(map(len, docs))} rank0_documents:{len(queue)} "
-                f"rows:{R} compile_time:{compile_ms:.0f}ms")
-        sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
-        t0 = now_ms(rt.device)
-        for k, b0 in enumerate(range(0, len(queue), R)):
-            batch = queue[b0: b0 + R]
-            plan = torch.zeros(len(batch[0]), R, 4, dtype=torch.int64)  # step c's rows: window, trained; one copy
-            for r, d in enumerate(batch):
-                plan[:len(d), r, :3] = torch.tensor(d)
-                plan[:len(d) - 1, r, 3] = 1  # the last chunk is not trained on
-            if rt.device.type == "cuda":  # pinned, so the copy does not wait for the GPU to drain
-                plan = plan.pin_memory().to(rt.device, non_blocking=True)
-            lora.reset()
-            opt = torch.optim.AdamW(lora.parameters(), lr=cfg.ttt_lora_lr, betas=(0.0, 0.99), eps=1e-10,
-                                    weight_decay=cfg.ttt_weight_decay, fused=rt.device.type == "cuda")
-            for c in range(len(batch[0])):
-                going = [d[c] for d in batch if c < len(d)]  # the batch's first rows: it is sorted by length
-                # rows rounded up to 8 and as long as the longest window needs (a power of two from max(T/16, 8), at
-                # most T; below 8 dynamo would specialise): a step near the end of a batch, or of short documents, costs
-                # what it holds; causal attention keeps it exact
-                n = min(R, -(-len(going) // 8) * 8)
-                length = min(T, max(T // 16, 8, 1 << (max(hi - s for s, _, hi in going) - 1).bit_length()))
-                w = plan[c, :n]
-                x, y, mask = scorer.rows(w[:, 0], w[:, 1] - w[:, 0], w[:, 2] - w[:, 0], length)
-                for step in range(max(cfg.ttt_grad_steps, 1)):
-                    with autocast(rt.device):
-                        logits = fn(x, lora)
-                    nll = cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none").view(n, length)
-                    if step == 0:  # the score: before any step that sees these targets
-                        sums += scorer.sums(nll.detach(), x, y, mask)
-                        if probe is not None:
-                            at = (w[:, :1] + torch.arange(length, device=rt.device))[mask]
-                            probe["nll"][at] = nll.detach()[mask].double()
-                            probe["lse"][at] = logits.detach().float().logsumexp(-1)[mask].double()
-                    if cfg.ttt_grad_steps == 0 or c == len(batch[0]) - 1:  # the last step trains no row
-                        break
-                    ((nll * mask).sum(1) * w[:, 3] / mask.sum(1).clamp(min=1)).sum().backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-            if rt.is_main and (k + 1) % max(1, len(queue) // R // 8) == 0:
-                log(f"ttt_lora_docs:{b0 + len(batch)}/{len(queue)} rank0_bpb_so_far:"
-                    f"{loss_and_bpb(sums.tolist())[1]:.4f} time:{now_ms(rt.device) - t0:.0f}ms")
-    all_reduce_sum_(sums)
-    return make_score(sums, now_ms(rt.device) - t0, compile_ms)
+
+    def batch_of_documents(b0: int) -> Tensor:
+        batch, sums = queue[b0: b0 + R], torch.zeros(3, dtype=torch.float64, device=rt.device)
+        plan = torch.zeros(len(batch[0]), R, 4, dtype=torch.int64)  # step c's rows: window, trained; one copy
+        for r, d in enumerate(batch):
+            plan[:len(d), r, :3] = torch.tensor(d)
+            plan[:len(d) - 1, r, 3] = 1  # the last chunk is not trained on
+        if rt.device.type == "cuda":  # pinned, so the copy does not wait for the GPU to drain
+            plan = plan.pin_memory().to(rt.device, non_blocking=True)
+        lora.reset()
+        opt = torch.optim.AdamW(lora.parameters(), lr=cfg.ttt_lora_lr, betas=(0.0, 0.99), eps=1e-10,
+                                weight_decay=cfg.ttt_weight_decay, fused=rt.device.type == "cuda")
+        for c in range(len(batch[0])):
+            going = [d[c] for d in batch if c < len(d)]  # the batch's first rows: it is sorted by length
+            # rows rounded up to 8 and as long as the longest window needs (a power of two from max(T/16, 8), at
+            # most T; below 8 dynamo would specialise): a step near the end of a batch, or of short documents, costs
+            # what it holds; causal attention keeps it exact
+            n = min(R, -(-len(going) // 8) * 8)
+            length = min(T, max(T // 16, 8, 1 << (max(hi - s for s, _, hi in going) - 1).bit_length()))
+            w = plan[c, :n]
+            for step in range(max(cfg.ttt_grad_steps, 1)):
+                logits, nll, (x, y, mask) = scorer.rows_nll(fn, w, length, lora)
+                if step == 0:  # the score: before any step that sees these targets
+                    sums += scorer.sums(nll.detach(), x, y, mask)
+                    if probe is not None:
+                        at = (w[:, :1] + torch.arange(length, device=rt.device))[mask]
+                        probe["nll"][at] = nll.detach()[mask].double()
+                        probe["lse"][at] = logits.detach().float().logsumexp(-1)[mask].double()
+                if cfg.ttt_grad_steps == 0 or c == len(batch[0]) - 1:  # the last step trains no row
+                    break
+                ((nll * mask).sum(1) * w[:, 3] / mask.sum(1).clamp(min=1)).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return sums
+
+    batches = list(range(0, len(queue), R))
+    with frozen_weights(model):  # gradients reach the adapters only
+        return scorer.loop(warmup, batches, batch_of_documents, "ttt_lora_docs", [min(b + R, len(queue)) for b in batches],
+                           f"ttt_lora documents:{len(docs)} chunks:{sum(map(len, docs))} rank0_documents:{len(queue)} "
+                           f"rows:{R}")
 
 
 # =============================================================================================
@@ -2556,7 +2580,7 @@ def compress(payload: bytes, method: str) -> tuple[bytes, str]:
         if method in ("zstd", "fast"):
             raise RuntimeError(f"COMPRESSOR={method} but the zstandard package is not installed")
         methods = [m for m in methods if m != "zstd"]
-    def run(m: str) -> bytes:
+    def encode(m: str) -> bytes:
         if m == "rans":
             return rans_compress(payload)
         if m in ("zstd", "fast"):
@@ -2564,7 +2588,7 @@ def compress(payload: bytes, method: str) -> tuple[bytes, str]:
             return _zstd().ZstdCompressor(level=level, write_checksum=True).compress(payload)
         return lzma.compress(payload, format=lzma.FORMAT_XZ, preset=LZMA_PRESET)
     with ThreadPoolExecutor(len(methods)) as pool:  # all release the GIL in their long calls: auto costs about max
-        blobs = dict(zip(methods, pool.map(run, methods)))
+        blobs = dict(zip(methods, pool.map(encode, methods)))
     best = min(blobs, key=lambda m: len(blobs[m]))
     coder = "zstd" if best == "fast" else best
     return ARTIFACT_MAGIC + bytes([COMPRESSOR_CODES[coder]]) + blobs[best], coder
@@ -2595,11 +2619,29 @@ def decompress(blob: bytes) -> bytes:
         raise
 
 
+def serialize(model: GPT, cfg: Hyperparameters, tokenizer: str, hessians: dict | None = None) -> tuple[bytes, str]:
+    """The artifact of a model (quantize_state, pack_tensors, compress): (its bytes, the coder that won)."""
+    return compress(pack_tensors(quantize_state(model.state_dict(), cfg, hessians), cfg, tokenizer), cfg.compressor)
+
+
+def deserialize(blob: bytes) -> tuple[dict, dict[str, Tensor]]:
+    """Inverse of serialize up to the quantisation: (its header (unpack_tensors') with its "coder" and "bytes", the
+    packed tensors), which artifact_model turns into a model."""
+    header, tensors = unpack_tensors(decompress(blob))
+    return dict(header, coder={v: k for k, v in COMPRESSOR_CODES.items()}[blob[4]], bytes=len(blob)), tensors
+
+
 def read_artifact(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
-    """(header, packed tensors) of an artifact file (unpack_tensors); dequantize_state makes a state_dict of them."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"artifact {path} does not exist")
-    return unpack_tensors(decompress(Path(path).read_bytes()))
+    return deserialize(Path(path).read_bytes())
+
+
+def artifact_model(cfg: Hyperparameters, rt: Runtime, tensors: dict[str, Tensor]) -> GPT:
+    """A fresh model with the weights of an artifact's tensors, and nothing else."""
+    model = build_model(cfg, rt)
+    model.load_state_dict(dequantize_state(tensors, model.state_dict(), cfg.num_layers))
+    return model
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -2725,7 +2767,7 @@ class Trainer:
     def _fwd_bwd(self, x: Tensor, y: Tensor) -> Tensor:
         with autocast(self.rt.device):
             loss = self.fwd(x, y)
-        (loss / self.rt.grad_accum).backward()
+        (loss / self.rt.grad_accum_steps).backward()
         return loss.detach()
 
     def _capture(self, x: Tensor, y: Tensor) -> tuple:
@@ -2773,7 +2815,7 @@ class Trainer:
         with torch.profiler.record_function("optimizer"):  # tools/bench_gpu.py --profile finds its kernels by it
             self.opt.step()
             self.opt.zero_grad()
-        return loss_sum / self.rt.grad_accum
+        return loss_sum / self.rt.grad_accum_steps
 
     def warmup(self) -> None:
         """Compile (and fill caches) on real steps, then restore weights, optimizer state and data
@@ -2957,7 +2999,9 @@ class Trainer:
             raise FloatingPointError(f"non-finite training loss at step {int(bad)}")
 
 
-def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[str], code: str) -> None:
+def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[str], code: str, code_bytes: int) -> None:
+    """The log's start: the source, versions, machine, every setting, warnings, the layout and outputs, the model's
+    shape and, for a training run, its predicted size."""
     log(f"==== source: train_gpt.py ====\n{code}\n==== end source ====", console=False)
     log(f"versions python:{platform.python_version()} torch:{torch.__version__} numpy:{np.__version__} "
         f"platform:{platform.platform()}")
@@ -2971,12 +3015,128 @@ def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[st
         log(f"setting {f.name}:{getattr(cfg, f.name)}", console=False)
     for w in warnings:
         log(f"warning {w}")
+    log(rt.describe())
+    if rt.kernels == "triton" and cfg.vocab_size > CE_MAX_VOCAB:
+        log(f"kernels: the training loss runs as torch ops (VOCAB_SIZE {cfg.vocab_size} > {CE_MAX_VOCAB})")
+    log(f"outputs log:{log.path} artifact:{cfg.eval_only or cfg.artifact_path}"
+        + (f" checkpoints:logs/{cfg.run_id}.ckpt" if cfg.checkpoint_every else ""))
+    if not cfg.eval_only:  # known at step 0: a config that will not fit, or one that leaves bytes unused
+        predicted = predict_artifact_bytes(cfg) + code_bytes
+        log(f"predicted_size total:{predicted} limit:{SIZE_LIMIT_BYTES} headroom:{SIZE_LIMIT_BYTES - predicted}")
+    with torch.device("meta"):
+        log(f"model_params:{sum(p.numel() for p in GPT(cfg).parameters())}")
+    order, P, L = layer_order(cfg, True), cfg.parallel_start_layer, cfg.num_layers
+    lanes = sorted({i for i, two in zip(order, parallel_positions(cfg, True)) if two})
+    log(f"layers order:{order} parallel:{lanes or 'none'}"
+        + (f" (PARALLEL_START_LAYER={P} is past NUM_LAYERS={L})" if P >= L else ""))
 
 
 def log_score(log: Logger, key: str, s: Score, extra: str = "") -> None:
     log(f"{key} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f}{extra} eval_time:{s.time_ms:.0f}ms "
         f"compile_time:{s.compile_ms:.0f}ms scored_tokens:{s.tokens} scored_bytes:{s.bytes}")
     log(f"{key}_exact val_loss:{s.loss:.8f} val_bpb:{s.bpb:.8f}")
+
+
+def validation_scorer(cfg: Hyperparameters, rt: Runtime, log: Logger, tokenizer: str) -> tuple[Scorer, bool]:
+    """The scorer of the val shards, once the tokenizer is shown to be theirs (and the train shards'); whether the
+    data is the offline sample (its scores are not comparable to FineWeb's)."""
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=cfg.tokenizer_path)
+    log(f"tokenizer path:{cfg.tokenizer_path} sha256:{tokenizer}")
+    if (cfg.smear_bos_fix or cfg.doc_isolation) and sp.bos_id() != BOS_ID:
+        raise ValueError(f"SMEAR_BOS_FIX=1 and DOC_ISOLATION=1 find documents by BOS id {BOS_ID}; "
+                         f"TOKENIZER_PATH's is {sp.bos_id()}")
+    luts = build_byte_luts(sp, cfg.vocab_size, rt.device)
+    val_files = shard_files(cfg.data_path, "val")
+    val_tokens = torch.from_numpy(np.concatenate([np.asarray(open_shard(f, cfg.vocab_size)) for f in val_files])
+                                  .astype(np.int64))
+    check_tokenizer(sp, val_tokens.numpy(), val_files[0])
+    if not cfg.eval_only:
+        train_file = shard_files(cfg.data_path, "train")[0]
+        check_tokenizer(sp, open_shard(train_file, cfg.vocab_size), train_file)
+    scorer = Scorer(cfg, rt, val_tokens, luts, log)
+    log(f"val_tokens:{val_tokens.numel()} val_docs:{int((val_tokens == BOS_ID).sum())} "
+        f"scored_targets:{val_tokens.numel() - 1} eval_batch_seqs:{scorer.batch_seqs}")
+    sample = is_sample_shard(val_files[0])
+    if sample:
+        log("sample_data: the offline sample (data/make_sample.py): scores are not comparable to FineWeb scores")
+    return scorer, sample
+
+
+def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: dict | None,
+          tokenizer: str) -> tuple[GPT, dict | None, float, int]:
+    """The trained model (RESUME: from its checkpoint), EMA applied, and GPTQ's Hessians when asked for; returns
+    (model, hessians, training ms, the signal that stopped training or 0)."""
+    model, files = build_model(cfg, rt), shard_files(cfg.data_path, "train")
+    loader = TrainLoader(files, cfg, rt)
+    log(f"train_data shards:{len(files)} tokens:{loader.tokens} epochs_at_max_iterations:"
+        f"{cfg.iterations * cfg.train_batch_tokens / max(loader.tokens, 1):.2f} sampling:{cfg.train_sampling}")
+    trainer = Trainer(cfg, rt, model, loader, log, tokenizer)
+    if ckpt is None or not ckpt["clock"].get("done"):  # a finished run's checkpoint trains no more
+        trainer.warmup()
+    ema = EMA(model, cfg.ema_horizon, cfg.ema_decay) if cfg.ema_enabled else None
+    if ckpt is not None:
+        trainer.load(ckpt, ema)
+        log(f"resumed_from:{cfg.resume} step:{trainer.clock['step']} train_time:{trainer.clock['train_ms']:.0f}ms")
+    steps, train_ms, stopped_by = trainer.train(scorer, ema)
+    if stopped_by:
+        return model, None, train_ms, stopped_by
+    if cfg.num_loops > 0 and not model.looping:  # stopped before ENABLE_LOOPING_AT: the repeats still score
+        model.looping = True
+        log(f"layer_loop:enabled after training step:{steps} (scoring, calibration and export run the repeats)")
+    log(f"train_done steps:{steps} train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms")
+    if rt.device.type == "cuda":
+        log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+            f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    s = scorer(model, cfg.eval_seq_len)
+    log(f"step:{steps}/{cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} "
+        f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms "
+        f"eval_time:{s.time_ms:.0f}ms eval_compile_time:{s.compile_ms:.0f}ms")
+    if ema is not None:
+        ema.copy_to_model()
+        log_score(log, "post_ema", scorer(model, cfg.eval_seq_len))
+    hessians = None
+    if cfg.gptq_calibration_batches > 0:
+        t0 = now_ms(rt.device)
+        hessians = calibrate(model, trainer.loader, cfg.gptq_calibration_batches)
+        log(f"gptq_calibration batches:{cfg.gptq_calibration_batches} time:{now_ms(rt.device) - t0:.0f}ms "
+            f"reserved:{1000 * cfg.gptq_reserve_seconds:.0f}ms")
+    return model, hessians, train_ms, 0
+
+
+def export(cfg: Hyperparameters, rt: Runtime, log: Logger, model: GPT, hessians: dict | None, tokenizer: str) -> None:
+    """Rank 0 writes the artifact to ARTIFACT_PATH; every rank returns once it is on disk."""
+    if rt.is_main:
+        t0 = time.perf_counter()
+        blob, coder = serialize(model, cfg, tokenizer, hessians)
+        write_atomic(Path(cfg.artifact_path), blob)
+        log(f"Serialized model int6+{coder}: {len(blob)} bytes export_time:{1000 * (time.perf_counter() - t0):.0f}ms")
+    if _distributed():
+        dist.barrier()
+
+
+def score_artifact(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer,
+                   tensors: dict[str, Tensor]) -> tuple[str, Score]:
+    """The artifact's scores, on a model built from its tensors alone: the round trip (EVAL_SEQ_LEN), the sliding
+    window (EVAL_STRIDE; per document too, lora TTT's baseline), then TTT (last: it changes the weights). Returns
+    the final score and its log key."""
+    model = artifact_model(cfg, rt, tensors)
+    log_score(log, "final_int6_roundtrip", scorer(model, cfg.eval_seq_len))
+    if cfg.sliding_eval_enabled:  # without it TTT's score is the only one at EVAL_STRIDE (as the records' TTT runs)
+        score, key = scorer(model, cfg.eval_stride), "final_int6_sliding_window"
+        log_score(log, key, score, f" stride:{cfg.eval_stride}")
+        if cfg.ttt_enabled and cfg.ttt_mode == "lora" and not cfg.doc_isolation:  # lora's gain is measured against it
+            log_score(log, "final_int6_sliding_window_per_doc", scorer(model, cfg.eval_stride, per_doc=True),
+                      f" stride:{cfg.eval_stride}")
+    if cfg.ttt_enabled:
+        if rt.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        score, key = (lora_ttt if cfg.ttt_mode == "lora" else sgd_ttt)(cfg, rt, model, scorer), "legal_ttt"
+        log_score(log, key, score)
+        if rt.device.type == "cuda":  # training's cached blocks included: what the whole run needs
+            log(f"ttt_peak_memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    return key, score
 
 
 # =============================================================================================
@@ -3030,113 +3190,26 @@ def main() -> int:
 
 def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: list[str], ckpt: dict | None,
         stored: tuple | None, tokenizer: str) -> int:
-    t_start = time.perf_counter()
-    log_header(log, cfg, rt, warnings, code)
+    """The pipeline: train -> export -> score the artifact file (and TTT on it); EVAL_ONLY scores `stored`."""
+    t_start, code_bytes = time.perf_counter(), len(shipped_code(code))
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
-    log(rt.describe())
-    if rt.kernels == "triton" and cfg.vocab_size > CE_MAX_VOCAB:
-        log(f"kernels: the training loss runs as torch ops (VOCAB_SIZE {cfg.vocab_size} > {CE_MAX_VOCAB})")
-    artifact = Path(cfg.eval_only or cfg.artifact_path)
-    log(f"outputs log:{log.path} artifact:{artifact}" + (f" checkpoints:logs/{cfg.run_id}.ckpt" if cfg.checkpoint_every else ""))
-    code_bytes = len(shipped_code(code))
-    if not cfg.eval_only:  # known at step 0: a config that will not fit, or one that leaves bytes unused
-        predicted = predict_artifact_bytes(cfg) + code_bytes
-        log(f"predicted_size total:{predicted} limit:{SIZE_LIMIT_BYTES} headroom:{SIZE_LIMIT_BYTES - predicted}")
-
-    import sentencepiece as spm
-    sp = spm.SentencePieceProcessor(model_file=cfg.tokenizer_path)
-    log(f"tokenizer path:{cfg.tokenizer_path} sha256:{tokenizer}")
-    if (cfg.smear_bos_fix or cfg.doc_isolation) and sp.bos_id() != BOS_ID:
-        raise ValueError(f"SMEAR_BOS_FIX=1 and DOC_ISOLATION=1 find documents by BOS id {BOS_ID}; "
-                         f"TOKENIZER_PATH's is {sp.bos_id()}")
-    luts = build_byte_luts(sp, cfg.vocab_size, rt.device)
-    val_files = shard_files(cfg.data_path, "val")
-    val_tokens = torch.from_numpy(np.concatenate([np.asarray(open_shard(f, cfg.vocab_size)) for f in val_files])
-                                  .astype(np.int64))
-    check_tokenizer(sp, val_tokens.numpy(), val_files[0])
-    scorer = Scorer(cfg, rt, val_tokens, luts)
-    log(f"val_tokens:{val_tokens.numel()} val_docs:{int((val_tokens == BOS_ID).sum())} "
-        f"scored_targets:{val_tokens.numel() - 1} eval_batch_seqs:{scorer.batch_seqs}")
-    sample = is_sample_shard(val_files[0])
-    if sample:
-        log("sample_data: the offline sample (data/make_sample.py): scores are not comparable to FineWeb scores")
-
-    model = build_model(cfg, rt)
-    log(f"model_params:{sum(p.numel() for p in model.parameters())}")
-    order, P, L = layer_order(cfg, True), cfg.parallel_start_layer, cfg.num_layers
-    lanes = sorted({i for i, two in zip(order, parallel_positions(cfg, True)) if two})
-    log(f"layers order:{order} parallel:{lanes or 'none'}"
-        + (f" (PARALLEL_START_LAYER={P} is past NUM_LAYERS={L})" if P >= L else ""))
+    log_header(log, cfg, rt, warnings, code, code_bytes)
+    scorer, sample = validation_scorer(cfg, rt, log, tokenizer)
     train_ms = 0.0
     if not cfg.eval_only:
-        files = shard_files(cfg.data_path, "train")
-        check_tokenizer(sp, open_shard(files[0], cfg.vocab_size), files[0])
-        loader = TrainLoader(files, cfg, rt)
-        log(f"train_data shards:{len(files)} tokens:{loader.tokens} epochs_at_max_iterations:"
-            f"{cfg.iterations * cfg.train_batch_tokens / max(loader.tokens, 1):.2f} sampling:{cfg.train_sampling}")
-        trainer = Trainer(cfg, rt, model, loader, log, tokenizer)
-        if ckpt is None or not ckpt["clock"].get("done"):  # a finished run's checkpoint trains no more
-            trainer.warmup()
-        ema = EMA(model, cfg.ema_horizon, cfg.ema_decay) if cfg.ema_enabled else None
-        if ckpt is not None:
-            trainer.load(ckpt, ema)
-            log(f"resumed_from:{cfg.resume} step:{trainer.clock['step']} train_time:{trainer.clock['train_ms']:.0f}ms")
-        steps, train_ms, stopped_by = trainer.train(scorer, ema)
+        model, hessians, train_ms, stopped_by = train(cfg, rt, log, scorer, ckpt, tokenizer)
         if stopped_by:
             return 128 + stopped_by  # the shell's convention for a process ended by a signal
-        if cfg.num_loops > 0 and not model.looping:  # stopped before ENABLE_LOOPING_AT: the repeats still score
-            model.looping = True
-            log(f"layer_loop:enabled after training step:{steps} (scoring, calibration and export run the repeats)")
-        log(f"train_done steps:{steps} train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms")
-        if rt.device.type == "cuda":
-            log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
-                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-        s = scorer(model, cfg.eval_seq_len)
-        log(f"step:{steps}/{cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} "
-            f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms "
-            f"eval_time:{s.time_ms:.0f}ms eval_compile_time:{s.compile_ms:.0f}ms")
-        if ema is not None:
-            ema.copy_to_model()
-            log_score(log, "post_ema", scorer(model, cfg.eval_seq_len))
-        hessians = None
-        if cfg.gptq_calibration_batches > 0:
-            t0 = now_ms(rt.device)
-            hessians = calibrate(model, trainer.loader, cfg.gptq_calibration_batches)
-            log(f"gptq_calibration batches:{cfg.gptq_calibration_batches} time:{now_ms(rt.device) - t0:.0f}ms "
-                f"reserved:{1000 * cfg.gptq_reserve_seconds:.0f}ms")
-        if rt.is_main:
-            t0 = time.perf_counter()
-            blob, method = compress(pack_tensors(quantize_state(model.state_dict(), cfg, hessians), cfg, tokenizer),
-                                    cfg.compressor)
-            write_atomic(artifact, blob)
-            log(f"Serialized model int6+{method}: {len(blob)} bytes export_time:{1000 * (time.perf_counter() - t0):.0f}ms")
-        if _distributed():
-            dist.barrier()
-        stored = read_artifact(artifact)  # the file, not the model in memory, is what is scored
-    blob = artifact.read_bytes()
-    method = {v: k for k, v in COMPRESSOR_CODES.items()}[blob[4]]
-    total = len(blob) + code_bytes
+        export(cfg, rt, log, model, hessians, tokenizer)
+        del model
+    artifact = Path(cfg.eval_only or cfg.artifact_path)
+    header, tensors = stored or read_artifact(artifact)  # the file, not the model in memory, is what is scored
+    total = header["bytes"] + code_bytes
     log(f"code_bytes:{code_bytes}")
-    log(f"Total submission size int6+{method}: {total} bytes limit:{SIZE_LIMIT_BYTES} headroom:{SIZE_LIMIT_BYTES - total}")
-
-    eval_model = build_model(cfg, rt)  # fresh model, weights only from the file
-    eval_model.load_state_dict(dequantize_state(stored[1], eval_model.state_dict(), cfg.num_layers))
-    log_score(log, "final_int6_roundtrip", scorer(eval_model, cfg.eval_seq_len))
-    if cfg.sliding_eval_enabled:  # without it TTT's score is the only one at EVAL_STRIDE (as the records' TTT runs)
-        score, key = scorer(eval_model, cfg.eval_stride), "final_int6_sliding_window"
-        log_score(log, key, score, f" stride:{cfg.eval_stride}")
-        if cfg.ttt_enabled and cfg.ttt_mode == "lora" and not cfg.doc_isolation:  # lora's gain is measured against it
-            log_score(log, "final_int6_sliding_window_per_doc", scorer(eval_model, cfg.eval_stride, per_doc=True),
-                      f" stride:{cfg.eval_stride}")
-    if cfg.ttt_enabled:  # last: it changes the weights
-        if rt.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        score, key = (lora_ttt if cfg.ttt_mode == "lora" else legal_ttt)(cfg, rt, eval_model, scorer, log), "legal_ttt"
-        log_score(log, key, score)
-        if rt.device.type == "cuda":  # training's cached blocks included: what the whole run needs
-            log(f"ttt_peak_memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
-                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    log(f"Total submission size int6+{header['coder']}: {total} bytes limit:{SIZE_LIMIT_BYTES} "
+        f"headroom:{SIZE_LIMIT_BYTES - total}")
+    key, score = score_artifact(cfg, rt, log, scorer, tensors)
     trained, over = Path("logs") / f"{cfg.run_id}.ckpt", total > SIZE_LIMIT_BYTES
     if rt.is_main and not cfg.checkpoint_every and not over and trained.is_file():  # the artifact is written, scored
         trained.unlink()

@@ -138,7 +138,7 @@ def test_negative_grad_accum_steps_is_an_error():
     """GRAD_ACCUM_STEPS=-2 would give range(-2) micro-steps (no data, no gradients): reject it with a clear error."""
     with pytest.raises(ValueError) as e:
         cfg, _ = tg.Hyperparameters.from_env({"GRAD_ACCUM_STEPS": "-2"})
-        tg.grad_accum_steps(cfg, 1)
+        tg.resolve_grad_accum_steps(cfg, 1)
     assert "GRAD_ACCUM_STEPS" in str(e.value), str(e.value)
 
 
@@ -221,9 +221,9 @@ def test_int6_scale_floor_below_fp16_range_is_an_error():
     ("BETA2", "1", "BETA2=1.0 is out of range: it must be in [0, 1)"), ("MUON_MOMENTUM", "1.5", "MUON_MOMENTUM"),
     ("TTT_GRAD_CLIP", "0", "TTT_GRAD_CLIP=0.0 is out of range"), ("WARMDOWN_ITERS", "-1", "WARMDOWN_ITERS"),
     ("CHECKPOINT_EVERY", "-5", "CHECKPOINT_EVERY"), ("BIGRAM_VOCAB_SIZE", "1", "0 (off) or >= 2"),
-    ("VOCAB_SIZE", "70000", "VOCAB_SIZE must be <= 65536"), ("MATRIX_LR", "nan", "malformed value for MATRIX_LR"),
+    ("VOCAB_SIZE", "70000", "VOCAB_SIZE=70000 is out of range: it must be in 1..65536"), ("MATRIX_LR", "nan", "malformed value for MATRIX_LR"),
     ("SCALAR_LR", "inf", "malformed value for SCALAR_LR"),
-    ("EMBED_BITS", "9", "EMBED_BITS must be in 4..8"),
+    ("EMBED_BITS", "9", "EMBED_BITS=9 is out of range: it must be in 4..8"),
     ("AUTO_SIZE", "1.2", "AUTO_SIZE=1.2 is out of range"),
     ("ENABLE_LOOPING_AT", "1", "ENABLE_LOOPING_AT=1.0 is out of range: it must be in [0, 1)"),
     ("NUM_LOOPS", "-1", "NUM_LOOPS=-1 is out of range"), ("PARALLEL_FINAL_LANE", "sum", "PARALLEL_FINAL_LANE"),
@@ -259,12 +259,18 @@ def test_loop_and_lane_defaults_hold_at_any_depth():
 
 
 def test_every_number_has_a_range():
-    """A new numeric setting must join one of the range lists (or be one of the few with a rule of their own)."""
-    # seed, qk_gain_init: any value; int6_scale_floor: fp16's floor; rope_dims: even, <= head dim; embed_bits: 4..8
-    own_rule = {"seed", "qk_gain_init", "int6_scale_floor", "rope_dims", "embed_bits"}
-    numbers = {f.name for f in dataclasses.fields(tg.Hyperparameters) if f.type in ("int", "float")}
-    ranged = set(tg.POSITIVE) | set(tg.NON_NEGATIVE) | set(tg.FRACTIONS)
-    assert numbers - own_rule == ranged and not ranged - numbers
+    """A new numeric setting must say its range in its declaration (or be one of the few with a rule of their own)."""
+    # qk_gain_init: any value; int6_scale_floor: fp16's floor; rope_dims: even, <= head dim
+    own_rule = {"qk_gain_init", "int6_scale_floor", "rope_dims"}
+    allowed = {n: f.metadata["allowed"] for n, f in tg.SETTINGS.items()}
+    assert {n for n, f in tg.SETTINGS.items() if f.type in ("int", "float") and not allowed[n]} == own_rule
+    assert all(isinstance(allowed[n][0], str) for n, f in tg.SETTINGS.items() if f.type == "str" and allowed[n])
+
+
+def test_choices_are_checked_for_any_construction():
+    """A choice is checked by validate(), so a config built in code is held to the same values as the environment."""
+    with pytest.raises(ValueError, match="COMPRESSOR='gzip' is not one of"):
+        tg.Hyperparameters(compressor="gzip").validate()
 
 
 @pytest.mark.parametrize("run_id", ["exp/one", "../escaped", "/tmp/abs", ".hidden", "a b", "-x"])

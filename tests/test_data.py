@@ -110,7 +110,7 @@ def _gathered_step(loaders) -> list[tuple]:
     seqs = []
     for ld in loaders:
         micro = ld.next_batch()
-        assert len(micro) == ld.rt.grad_accum
+        assert len(micro) == ld.rt.grad_accum_steps
         for x, y in micro:
             assert x.shape == y.shape == (ld.seqs_per_micro, ld.seq_len) and x.dtype == torch.int64
             seqs += [(tuple(a.tolist()), tuple(b.tolist())) for a, b in zip(x, y)]
@@ -123,8 +123,8 @@ def test_train_loader_global_batch_is_split_independent(small_shards, batch, wor
     files, all_tokens = small_shards
     T = 4
     cfg = make_cfg(TRAIN_SEQ_LEN=T, TRAIN_BATCH_TOKENS=batch)
-    assert tg.grad_accum_steps(dataclasses.replace(cfg, grad_accum_steps=accum), world) == accum
-    loaders = [tg.TrainLoader(files, cfg, tg.Runtime(r, world, r, grad_accum=accum)) for r in range(world)]
+    assert tg.resolve_grad_accum_steps(dataclasses.replace(cfg, grad_accum_steps=accum), world) == accum
+    loaders = [tg.TrainLoader(files, cfg, tg.Runtime(r, world, r, grad_accum_steps=accum)) for r in range(world)]
     for step in range(12):  # 12 * 32 = 384 tokens: wraps the 163-token stream twice
         if step % 3 == 1:  # prefetching (on some steps, any number of times) changes no batch
             for ld in loaders:
@@ -135,7 +135,7 @@ def test_train_loader_global_batch_is_split_independent(small_shards, batch, wor
 def test_train_loader_state_dict_restores_position(small_shards):
     files, all_tokens = small_shards
     cfg = make_cfg(TRAIN_SEQ_LEN=4, TRAIN_BATCH_TOKENS=32)
-    rt = tg.Runtime(grad_accum=2)
+    rt = tg.Runtime(grad_accum_steps=2)
     a = tg.TrainLoader(files, cfg, rt)
     for _ in range(3):
         a.next_batch()
@@ -225,13 +225,13 @@ def test_coprime_loader_is_split_independent_and_restorable(small_shards, world,
     files, all_tokens = small_shards
     T, batch = 4, 32
     cfg = make_cfg(TRAIN_SEQ_LEN=T, TRAIN_BATCH_TOKENS=batch, TRAIN_SAMPLING="coprime")
-    loaders = [tg.TrainLoader(files, cfg, tg.Runtime(r, world, r, grad_accum=accum)) for r in range(world)]
+    loaders = [tg.TrainLoader(files, cfg, tg.Runtime(r, world, r, grad_accum_steps=accum)) for r in range(world)]
     for step in range(7):  # 7 * 8 = 56 sequences > 40 slots: crosses a cycle
         assert _gathered_step(loaders) == _coprime_expected(all_tokens, step, batch, T), f"step {step}"
     loaders[0].prefetch()
     state = loaders[0].state_dict()  # taken with the next batch already prefetched
     want = _gathered_step(loaders[:1]) if world == 1 else None
-    fresh = tg.TrainLoader(files, cfg, tg.Runtime(0, world, 0, grad_accum=accum))
+    fresh = tg.TrainLoader(files, cfg, tg.Runtime(0, world, 0, grad_accum_steps=accum))
     fresh.load_state_dict(state)
     if want is not None:
         assert _gathered_step([fresh]) == want

@@ -517,8 +517,8 @@ def test_calibrate_sums_each_matrix_input_over_batches_and_gptq_lowers_the_layer
     each matrix kind has one H per layer; GPTQ lowers the layers' output error below rounding's."""
     cfg = env_cfg(dataset, tokenizer_path, TRAIN_BATCH_TOKENS=256, GRAD_ACCUM_STEPS=2)
     model = random_model(cfg, seed=5)
-    loader = tg.TrainLoader(tg.shard_files(str(dataset), "train"), cfg, tg.Runtime(grad_accum=2))
-    pairs = tg.TrainLoader(tg.shard_files(str(dataset), "train"), cfg, tg.Runtime(grad_accum=2)).next_batch()
+    loader = tg.TrainLoader(tg.shard_files(str(dataset), "train"), cfg, tg.Runtime(grad_accum_steps=2))
+    pairs = tg.TrainLoader(tg.shard_files(str(dataset), "train"), cfg, tg.Runtime(grad_accum_steps=2)).next_batch()
     h = tg.calibrate(model, loader, 2)
     banks = {(n, i) for n in tg.MATRICES for i in range(cfg.num_layers)}
     assert set(h) == banks | {("head", 0)} and model.hessians is None

@@ -48,7 +48,7 @@ def test_kernel_forward_and_backward_equal_float64_reference(B, T, H, D, dims, w
     x = (torch.randn(B, T, H, D, generator=g) * 3).to(DEV, dtype).requires_grad_()
     gain = (torch.rand(H, generator=g) + 0.5).to(DEV).requires_grad_() if with_gain else None
     dy = torch.randn(B, T, H, D, generator=g).to(DEV, dtype)
-    y = tg.qk_norm_rope(x, cos, sin, gain)
+    y = tg.qk_norm_rope_triton(x, cos, sin, gain)
     y.backward(dy)
     x64 = x.detach().cpu().double().requires_grad_()  # the reference runs on the CPU in float64
     g64 = gain.detach().cpu().double().requires_grad_() if with_gain else None
@@ -74,7 +74,7 @@ def test_kernel_reads_a_strided_token_row():
     wide = torch.randn(B, T, 3 * H * D, generator=g).to(DEV).requires_grad_()
     cos, sin = (t.to(DEV) for t in tg.rope_tables(T, 8, 10000.0))
     x = wide[..., H * D: 2 * H * D].view(B, T, H, D)
-    y = tg.qk_norm_rope(x, cos, sin, None)
+    y = tg.qk_norm_rope_triton(x, cos, sin, None)
     y.sum().backward()
     want = reference(x.detach().cpu(), 8, 10000.0, None)
     torch.testing.assert_close(y.detach().cpu().double(), want, rtol=1e-5, atol=1e-5)
@@ -87,15 +87,15 @@ def test_kernel_refuses_what_it_cannot_index():
     x = torch.randn(1, 4, 8, 2, device=DEV).transpose(2, 3)  # (1, 4, 2, 8) with head dim not contiguous
     cos, sin = (t.to(DEV) for t in tg.rope_tables(4, 4, 10000.0))
     with pytest.raises(ValueError, match="heads packed"):
-        tg.qk_norm_rope(x, cos, sin, None)
+        tg.qk_norm_rope_triton(x, cos, sin, None)
     x = torch.randn(1, 4, 2, 8, device=DEV)
     for T, dims in ((3, 4), (4, 10)):
         cos, sin = (t.to(DEV) for t in tg.rope_tables(T, dims, 10000.0))
         with pytest.raises(ValueError, match="tables"):
-            tg.qk_norm_rope(x, cos, sin, None)
+            tg.qk_norm_rope_triton(x, cos, sin, None)
     cos, sin = (t.to(DEV) for t in tg.rope_tables(4, 4, 10000.0))
     with pytest.raises(ValueError, match="gain of shape"):
-        tg.qk_norm_rope(x, cos, sin, torch.ones(3, device=DEV))
+        tg.qk_norm_rope_triton(x, cos, sin, torch.ones(3, device=DEV))
 
 
 def xsa_reference64(y, v):
@@ -124,7 +124,7 @@ def test_xsa_kernel_forward_and_backward_equal_float64_reference(B, T, H, K, D, 
     v = qkv[..., (H + K) * D:].view(B, T, K, D)
     y = torch.randn(B, T, H, D, generator=g).to(DEV, dtype).requires_grad_()
     dout = torch.randn(B, T, H, D, generator=g).to(DEV, dtype)
-    out = tg.exclusive_self_attention(y, v)
+    out = tg.exclusive_self_attention_triton(y, v)
     out.backward(dout)
     y64 = y.detach().cpu().double().requires_grad_()
     qkv64 = qkv.detach().cpu().double().requires_grad_()
@@ -146,11 +146,11 @@ def test_xsa_kernel_forward_and_backward_equal_float64_reference(B, T, H, K, D, 
 def test_xsa_kernel_refuses_what_it_cannot_index():
     y = torch.randn(1, 4, 4, 8, device=DEV)
     with pytest.raises(ValueError, match="K \\| H"):
-        tg.exclusive_self_attention(y, torch.randn(1, 4, 3, 8, device=DEV))
+        tg.exclusive_self_attention_triton(y, torch.randn(1, 4, 3, 8, device=DEV))
     with pytest.raises(ValueError, match="not \\(B,T,H,D\\)"):
-        tg.exclusive_self_attention(y, torch.randn(1, 4, 2, 4, device=DEV))
+        tg.exclusive_self_attention_triton(y, torch.randn(1, 4, 2, 4, device=DEV))
     with pytest.raises(ValueError, match="heads packed"):
-        tg.exclusive_self_attention(y, torch.randn(1, 4, 8, 2, device=DEV).transpose(2, 3))
+        tg.exclusive_self_attention_triton(y, torch.randn(1, 4, 8, 2, device=DEV).transpose(2, 3))
 
 
 # (N, V, cap, dtype): record vocab in bf16, no cap, vocabs that are not powers of two (masked lanes; one
@@ -278,7 +278,7 @@ def test_the_largest_vocabulary_trains_through_the_triton_ops(monkeypatch):
         torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-4, atol=1e-6, msg=n)
     assert model.tok_emb.weight.grad[65535].abs().max() > 0 and model.bigram.embed.weight.grad.abs().sum() > 0
     logits, t = torch.randn(4, tg.CE_MAX_VOCAB, device=DEV), torch.zeros(4, dtype=torch.int64, device=DEV)
-    torch.testing.assert_close(tg.triton_loss(logits, t, 30.0), tg.softcap_loss_reference(logits, t, 30.0))
+    torch.testing.assert_close(tg.softcap_loss_triton(logits, t, 30.0), tg.softcap_loss_reference(logits, t, 30.0))
     assert calls == [(4, tg.CE_MAX_VOCAB)]
 
 

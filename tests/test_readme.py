@@ -16,9 +16,8 @@ import train_gpt as tg  # noqa: E402
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
 
 
-def field_comments() -> dict[str, tuple[str, str]]:
-    """field name -> (section, comment) read from the dataclass source: the `# --- section` banners
-    and each field's trailing comment."""
+def field_sections() -> dict[str, str]:
+    """field name -> section, read from the dataclass source: the `# --- section` banners."""
     src = (ROOT / "train_gpt.py").read_text(encoding="utf-8").splitlines()
     cls = next(n for n in ast.parse("\n".join(src)).body if isinstance(n, ast.ClassDef) and n.name == "Hyperparameters")
     out, section = {}, ""
@@ -26,26 +25,27 @@ def field_comments() -> dict[str, tuple[str, str]]:
         s = line.strip()
         if s.startswith("# ---"):
             section = s.removeprefix("# ---").strip()
-        elif ":" in s and not s.startswith(("#", "@", "def", "return", '"""')) and line.startswith("    ") and not line.startswith("        "):
-            name = s.split(":")[0].strip()
-            comment = s.split("#", 1)[1].strip() if "#" in s else ""
-            out[name] = (section, comment)
+        elif re.match(r"    \w+: \w+ = ", line):
+            out[line.split(":")[0].strip()] = section
     return out
 
 
 def settings_table() -> str:
-    comments = field_comments()
+    """One row per setting: its default and meaning as declared (a TTT mode's own settings name the mode)."""
+    sections = field_sections()
     rows, section = [], None
     for f in dataclasses.fields(tg.Hyperparameters):
-        sec, comment = comments[f.name]
-        if sec != section:
-            rows += ["", f"**{sec}**", "", "| variable | default | meaning |", "|---|---|---|"]
-            section = sec
+        if sections[f.name] != section:
+            section = sections[f.name]
+            rows += ["", f"**{section}**", "", "| variable | default | meaning |", "|---|---|---|"]
         default = f.default
         shown = int(default) if isinstance(default, bool) else default
         if f.name == "int6_scale_floor":
             shown = "1/31"
-        cell = (comment or "-").replace("|", "\\|")  # a bare | would end the table cell
+        on, meaning = f.metadata["on"], f.metadata["meaning"]
+        if "=" in on:
+            meaning = f"{on.split('=')[0].upper()}={on.split('=')[1]}: {meaning}"
+        cell = meaning.replace("|", "\\|")  # a bare | would end the table cell
         rows.append(f"| `{f.name.upper()}` | `{shown}` | {cell} |")
     return "\n".join(rows).strip()
 
@@ -59,10 +59,9 @@ def test_every_field_is_documented_with_its_default():
     assert readme_section() == settings_table(), "README settings table is stale: python3 tests/test_readme.py --write"
 
 
-def test_every_field_has_a_comment():
-    missing = [n for n, (_, c) in field_comments().items() if not c]
-    assert set(field_comments()) == {f.name for f in dataclasses.fields(tg.Hyperparameters)}
-    assert len(missing) <= 5, f"fields without a one-line comment: {missing}"
+def test_every_field_has_a_meaning_and_a_section():
+    assert set(field_sections()) == set(tg.SETTINGS) and all(field_sections().values())
+    assert [n for n, f in tg.SETTINGS.items() if len(f.metadata["meaning"]) < 3] == []
 
 
 def quickstart_commands() -> list[str]:
@@ -97,7 +96,7 @@ def test_readme_world_sizes_are_those_the_default_batch_divides_into():
 
     def works(n: int, c=cfg) -> bool:
         try:
-            return tg.grad_accum_steps(c, n) > 0
+            return tg.resolve_grad_accum_steps(c, n) > 0
         except ValueError:
             return False
     assert [n for n in range(1, 9) if works(n)] == [1, 2, 3, 4, 6, 8]

@@ -23,24 +23,24 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("world, accum", [(1, 8), (2, 4), (3, 2), (4, 2), (5, 1), (6, 1), (8, 1), (16, 1)])
 def test_auto_grad_accum_rule(world, accum):
     cfg = make_cfg(TRAIN_BATCH_TOKENS=786432 if world != 5 else 10 * 2048 * 5)
-    assert tg.grad_accum_steps(cfg, world) == accum
+    assert tg.resolve_grad_accum_steps(cfg, world) == accum
 
 
 def test_grad_accum_divisibility():
     default = make_cfg()
     # 786432 / (3 * 2 * 2048) = 64: fine; 786432 / (5 * 1 * 2048) = 76.8: error
-    assert tg.grad_accum_steps(default, 3) == 2
+    assert tg.resolve_grad_accum_steps(default, 3) == 2
     with pytest.raises(ValueError, match="TRAIN_BATCH_TOKENS"):
-        tg.grad_accum_steps(default, 5)
+        tg.resolve_grad_accum_steps(default, 5)
     # 524288 / (3 * 2 * 2048) = 42.67: error; 524288 / (4 * 2 * 2048) = 32: fine
     cfg = make_cfg(TRAIN_BATCH_TOKENS=524288)
     with pytest.raises(ValueError, match="TRAIN_BATCH_TOKENS"):
-        tg.grad_accum_steps(cfg, 3)
-    assert tg.grad_accum_steps(cfg, 4) == 2
+        tg.resolve_grad_accum_steps(cfg, 3)
+    assert tg.resolve_grad_accum_steps(cfg, 4) == 2
     # explicit accumulation: 786432 / (1 * 3 * 2048) = 128 fine, 786432 / (1 * 5 * 2048) = 76.8 error
-    assert tg.grad_accum_steps(make_cfg(GRAD_ACCUM_STEPS=3), 1) == 3
+    assert tg.resolve_grad_accum_steps(make_cfg(GRAD_ACCUM_STEPS=3), 1) == 3
     with pytest.raises(ValueError, match="GRAD_ACCUM_STEPS=5"):
-        tg.grad_accum_steps(make_cfg(GRAD_ACCUM_STEPS=5), 1)
+        tg.resolve_grad_accum_steps(make_cfg(GRAD_ACCUM_STEPS=5), 1)
 
 
 def test_configure_inductor_turns_mix_order_reductions_off_unless_the_env_sets_them(monkeypatch):

@@ -319,7 +319,7 @@ def test_a_coder_the_python_lacks_is_refused_before_any_run(monkeypatch):
 def test_an_older_script_without_the_batch_check_is_still_checked_for_its_settings(monkeypatch):
     """--script may name an older train_gpt.py (a before/after A/B): its own parser still refuses typos."""
     tg = sw.load_script(ROOT / "train_gpt.py")
-    monkeypatch.delattr(tg, "grad_accum_steps")
+    monkeypatch.delattr(tg, "resolve_grad_accum_steps")
     sw.check_settings(tg, "old", {"TRAIN_BATCH_TOKENS": "1000"}, 1)  # the divisibility check needs the new API
     with pytest.raises(sw.SweepError, match="closest valid setting: MATRIX_LR"):
         sw.check_settings(tg, "old", {"MATRX_LR": "0.1"}, 1)
@@ -329,10 +329,10 @@ def test_a_variant_can_run_another_script_checked_by_its_own_parser(tmp_path):
     """SCRIPT=path (a before/after A/B of a code change): that variant's command runs the copy, and its settings
     go through the copy's parser, which here knows one more setting than the repository's script."""
     src = (ROOT / "train_gpt.py").read_text()
-    field = "    seed: int = 1337  # torch/numpy seed: init and nothing else (data order is fixed)\n"
+    field = next(line + "\n" for line in src.splitlines() if line.startswith("    seed: int = S(1337, "))
     assert field in src
     copy = tmp_path / "after.py"
-    copy.write_text(src.replace(field, field + "    extra_knob: int = 0  # a setting only the copy has\n"))
+    copy.write_text(src.replace(field, field + '    extra_knob: int = S(0, "a setting only the copy has")\n'))
     r = run_sweep(["--dry-run", "--name", "ab", "--seeds", "1", "--variant", "before=", "--variant",
                    f"after=SCRIPT={copy} EXTRA_KNOB=2"], tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -72,7 +72,7 @@ def run_ttt(cfg, model, scorer):
         snaps.append(snapshot(model))
         return score_windows(fn, wins)
     scorer.score_windows = scoring
-    return tg.legal_ttt(cfg, scorer.rt, model, scorer, tg.Logger("x", enabled=False)), snaps
+    return tg.sgd_ttt(cfg, scorer.rt, model, scorer), snaps
 
 
 class WindowRecorder:
@@ -316,7 +316,7 @@ def _ttt_on_rank(rank: int, world_size: int, tokens: list[int]):
     cfg = ttt_cfg(**TWO_RANK_CFG)
     model = random_model(cfg, seed=10)
     scorer = make_scorer(cfg, torch.tensor(tokens), make_luts(4), batch_seqs=3, rank=rank, world_size=world_size)
-    s = tg.legal_ttt(cfg, scorer.rt, model, scorer, tg.Logger("x", enabled=False))
+    s = tg.sgd_ttt(cfg, scorer.rt, model, scorer)
     return (s.loss, s.bpb, s.tokens, s.bytes), {n: p.detach().numpy().copy() for n, p in model.state_dict().items()}
 
 
@@ -348,8 +348,7 @@ def test_freeze_first_block():
     tokens = make_tokens(260, seed=12)
     model = random_model(cfg, seed=13)
     before = snapshot(model)
-    tg.legal_ttt(cfg, tg.Runtime(), model, make_scorer(cfg, tokens, make_luts(5)),
-                 tg.Logger("x", enabled=False))
+    tg.sgd_ttt(cfg, tg.Runtime(), model, make_scorer(cfg, tokens, make_luts(5)))
     after = snapshot(model)
     rows = {"qo_bank": (0, L), "kv_bank": (0, L), "mlp_up_bank": (0,), "mlp_down_bank": (0,)}
     for bank, frozen in rows.items():
@@ -369,8 +368,7 @@ def test_freeze_reaches_the_lane_scalars_of_frozen_parallel_layers():
     cfg = ttt_cfg(num_layers=4, parallel_start_layer=2, ttt_freeze_blocks=3, ttt_chunk_tokens=64, ttt_epochs=2)
     model = random_model(cfg, seed=13)
     before = snapshot(model)
-    tg.legal_ttt(cfg, tg.Runtime(), model, make_scorer(cfg, make_tokens(260, seed=12), make_luts(5)),
-                 tg.Logger("x", enabled=False))
+    tg.sgd_ttt(cfg, tg.Runtime(), model, make_scorer(cfg, make_tokens(260, seed=12), make_luts(5)))
     after = snapshot(model)
     for name in ("parallel_resid", "parallel_post"):
         assert torch.equal(before[name][0], after[name][0]), name

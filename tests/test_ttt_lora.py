@@ -55,7 +55,7 @@ def lora_run(cfg, tokens, rank: int = 0, world_size: int = 1, lse: bool = False)
     """(score, each target's NLL; NaN where this rank scored none), and each target's logsumexp if lse."""
     scorer = make_scorer(cfg, tokens, make_luts(), rank=rank, world_size=world_size)
     probe = {k: torch.full((tokens.numel() - 1,), float("nan"), dtype=torch.float64) for k in ("nll", "lse")}
-    score = tg.lora_ttt(cfg, scorer.rt, model_for(cfg), scorer, tg.Logger("x", enabled=False), probe=probe)
+    score = tg.lora_ttt(cfg, scorer.rt, model_for(cfg), scorer, probe=probe)
     return (score, probe["nll"], probe["lse"]) if lse else (score, probe["nll"])
 
 
@@ -172,7 +172,7 @@ def test_one_compiled_graph_serves_every_rows_and_length(monkeypatch):
     scorer = make_scorer(cfg, tokens, make_luts())
     rt = dataclasses.replace(scorer.rt, compile_enabled=True)
     torch._dynamo.reset()
-    score = tg.lora_ttt(cfg, rt, model_for(cfg), scorer, tg.Logger("x", enabled=False))
+    score = tg.lora_ttt(cfg, rt, model_for(cfg), scorer)
     assert counter.frame_count == 1
     assert score.loss == pytest.approx(plain.loss, rel=1e-5)
 
@@ -295,7 +295,7 @@ def test_lora_ttt_leaves_the_models_requires_grad_flags_as_it_found_them():
     model.tok_emb.weight.requires_grad_(False)
     before = {n: p.requires_grad for n, p in model.named_parameters()}
     scorer = make_scorer(cfg, tokens, make_luts())
-    tg.lora_ttt(cfg, scorer.rt, model, scorer, tg.Logger("x", enabled=False))
+    tg.lora_ttt(cfg, scorer.rt, model, scorer)
     assert {n: p.requires_grad for n, p in model.named_parameters()} == before and not before["tok_emb.weight"]
 
 
@@ -310,9 +310,9 @@ def test_scoring_paths_never_build_the_document_mask(monkeypatch):
     lora_run(cfg, tokens)
     sgd = dataclasses.replace(cfg, ttt_mode="sgd", ttt_epochs=0, ttt_chunk_tokens=64, ttt_batch_seqs=2)
     scorer = make_scorer(sgd, tokens, make_luts())
-    tg.legal_ttt(sgd, scorer.rt, model, scorer, tg.Logger("x", enabled=False))
+    tg.sgd_ttt(sgd, scorer.rt, model, scorer)
     with pytest.raises(AssertionError, match="mask built"):  # sgd's updates cross documents
-        tg.legal_ttt(dataclasses.replace(sgd, ttt_epochs=1), scorer.rt, model, scorer, tg.Logger("x", enabled=False))
+        tg.sgd_ttt(dataclasses.replace(sgd, ttt_epochs=1), scorer.rt, model, scorer)
 
 
 def test_sliding_eval_off_needs_ttt():

@@ -221,7 +221,7 @@ def main() -> None:
         tps = cfg.train_batch_tokens / (wall_ms / 1000)
         tflops = flops / (wall_ms / 1000) / 1e12
         print(f"bench {rt.describe().removeprefix('layout ')} batch_tokens:{cfg.train_batch_tokens} "
-              f"micro_batch_tokens:{cfg.train_batch_tokens // (rt.world_size * rt.grad_accum)}")
+              f"micro_batch_tokens:{cfg.train_batch_tokens // (rt.world_size * rt.grad_accum_steps)}")
         print(f"bench ms_per_step:{wall_ms:.2f} tokens_per_s:{tps:,.0f} tflops_per_gpu:{tflops:.1f} "
               f"pct_of_bf16_floor:{100 * tflops / BF16_PEAK_TFLOPS:.1f} floor_ms:{flops / BF16_PEAK_TFLOPS / 1e9:.1f} "
               f"compile_s:{compile_s:.1f} peak_mem_mib:{torch.cuda.max_memory_allocated() // 2**20} "

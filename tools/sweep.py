@@ -151,8 +151,10 @@ def check_settings(tg, name: str, settings: dict[str, str], world_size: int) -> 
                          "this Python lacks")
     try:
         cfg, _ = tg.Hyperparameters.from_env(settings | {"RUN_ID": "check"})
-        if hasattr(tg, "grad_accum_steps"):  # a --script from before 2026-11-23 has no such function: not checked
-            tg.grad_accum_steps(cfg, world_size)
+        # the divisibility check (named grad_accum_steps until 2026-11-26; a --script from before 2026-11-23 has none)
+        resolve = getattr(tg, "resolve_grad_accum_steps", None) or getattr(tg, "grad_accum_steps", None)
+        if callable(resolve):
+            resolve(cfg, world_size)
     except ValueError as e:
         raise SweepError(f"variant {name}: {e}") from None
     try:
