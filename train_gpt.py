@@ -54,7 +54,8 @@ except ImportError:
 
 DROPPED_SETTINGS = {"SWA_ENABLED", "SWA_EVERY", "DTG_ENABLED", "LATE_QAT", "QAT_ENABLED",
                     "GATED_ATTENTION", "VALUE_RESIDUAL",  # + LAWA_*, MTP_*: the reference's dead ends
-                    "FP8_ENABLED"}  # ours until 2026-11: no faster at the record micro-batch, 0.002-0.003 bpb worse
+                    "FP8_ENABLED",  # ours until 2026-11: no faster at the record micro-batch, 0.002-0.003 bpb worse
+                    "ATTN_OUT_GATE_ENABLED"}  # ours until 2026-11-26: the dense 2 sig(W h) form of the sparse gate
 DROPPED_PREFIXES = ("LAWA_", "MTP_")
 # Environment variables of launchers and libraries that share a word with our fields.
 FOREIGN_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP_", "MASTER_", "LOCAL_", "GROUP_", "ROLE_",
@@ -137,15 +138,13 @@ class Hyperparameters:
                                  ("mean", "attn", "mlp"), True)
     skip_gates_enabled: bool = S(True, "U-Net skips through a per-channel gate: sig(g) x + (1 - sig(g)) skip, g0 = 0",
                                  model=True)
-    attn_out_gate_enabled: bool = S(False, "per-head attention output x 2 sig(W h[:GATE_WINDOW]) (W = 0: 1 at init)",
-                                    model=True)
     sparse_attn_gate_enabled: bool = S(True, "per-head attention output x sig(SCALE W h[:GATE_WINDOW]) (0.5 at "
                                        "init)", model=True)
     sparse_attn_gate_scale: float = S(0.5, "SCALE of the sparse gate", POSITIVE, True, "sparse_attn_gate_enabled")
     sparse_attn_gate_init_std: float = S(0.0, "its W's init std (0 = zeros)", NON_NEGATIVE,
                                          on="sparse_attn_gate_enabled")
-    gate_window: int = S(12, "leading channels of the attention input h (normalised) that the output gates read",
-                         POSITIVE, True)
+    gate_window: int = S(12, "leading channels of the attention input h (normalised) that the sparse gate reads",
+                         POSITIVE, True, "sparse_attn_gate_enabled")
     smear_bos_fix: bool = S(True, "SmearGate mixes nothing into a document's first token (BOS) from the one before",
                             model=True)
     doc_isolation: bool = S(False, "nothing crosses a BOS: block-diagonal causal attention, BigramHash (train and "
@@ -314,9 +313,6 @@ class Hyperparameters:
             lanes = parallel_positions(self, looping)
             need(lanes == sorted(lanes), f"PARALLEL_START_LAYER={self.parallel_start_layer} puts a serial layer "
                  f"after a parallel one in the decoder {layer_order(self, looping)[len(lanes) // 2:]}")
-        need(not (self.attn_out_gate_enabled and self.sparse_attn_gate_enabled),
-             "ATTN_OUT_GATE_ENABLED and SPARSE_ATTN_GATE_ENABLED are two forms of one gate: choose one "
-             "(the sparse form is the default: add SPARSE_ATTN_GATE_ENABLED=0)")
         need(self.attn_gate_window <= self.model_dim, "GATE_WINDOW must be <= MODEL_DIM")
         need(not (self.doc_isolation and self.smear_enabled and not self.smear_bos_fix),
              "DOC_ISOLATION=1 needs SMEAR_BOS_FIX=1 (the SmearGate would carry the previous document into a BOS)")
@@ -336,8 +332,8 @@ class Hyperparameters:
 
     @property
     def attn_gate_window(self) -> int:
-        """Channels of h the attention output gate reads: GATE_WINDOW with either form of the gate on, else 0."""
-        return self.gate_window if self.attn_out_gate_enabled or self.sparse_attn_gate_enabled else 0
+        """Channels of h the sparse attention gate reads: GATE_WINDOW with the gate on, else 0."""
+        return self.gate_window if self.sparse_attn_gate_enabled else 0
 
     @property
     def parallel_start(self) -> int:
@@ -1256,7 +1252,7 @@ class Block(nn.Module):
         self.mlp_scale = nn.Parameter(torch.ones(dim))
         self.resid_mix = nn.Parameter(torch.stack((torch.ones(dim), torch.zeros(dim))))  # (x, x0) mix
         self.q_gain = nn.Parameter(torch.full((num_heads,), qk_gain_init))
-        if gate_window:  # the attention output gate's W (either form)
+        if gate_window:  # the sparse attention gate's W
             self.attn_gate_w = nn.Parameter(torch.zeros(num_heads, gate_window))
 
 
@@ -1418,8 +1414,7 @@ class GPT(nn.Module):
                 y = self.ops.xsa(y, v)
             if cfg.attn_gate_window:  # per head, from h's first channels
                 z = F.linear(h[..., :cfg.attn_gate_window], blk.attn_gate_w.to(h.dtype))
-                g = 2 * torch.sigmoid(z) if cfg.attn_out_gate_enabled else torch.sigmoid(cfg.sparse_attn_gate_scale * z)
-                y = y * g[..., None]
+                y = y * torch.sigmoid(cfg.sparse_attn_gate_scale * z)[..., None]
             y = F.linear(self.observe(("attn.o",), i, y.reshape(B, T, H * hd)), w["attn.o"])
             return blk.attn_scale.to(x.dtype) * (y if lora is None else y + do)
 

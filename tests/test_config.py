@@ -54,7 +54,7 @@ def test_defaults_match_reference_settings():
     # deliberate (issue 21): the 2026-04-27 record's lanes, gates and optimizer, -0.025 on pqb-t at equal time
     # (records/PERFORMANCE.md); the reference's values were xsa_last_n 4, muon_momentum 0.99, beta2 0.95, the rest off
     assert (cfg.parallel_start_layer, cfg.xsa_last_n, cfg.skip_gates_enabled, cfg.sparse_attn_gate_enabled,
-            cfg.sparse_attn_gate_scale, cfg.attn_out_gate_enabled, cfg.smear_bos_fix) == (8, 11, True, True, 0.5, False, True)
+            cfg.sparse_attn_gate_scale, cfg.smear_bos_fix) == (8, 11, True, True, 0.5, True)
     assert (cfg.muon_polar_express, cfg.muon_row_normalize, cfg.min_lr, cfg.muon_momentum, cfg.beta2,
             cfg.num_loops) == (True, True, 0.1, 0.97, 0.99, 0)
     # derived shapes of the seed system: head_dim 64, KV width 256, value embeddings in layers 9 and 10 (the
@@ -239,7 +239,6 @@ def test_values_out_of_range_are_refused_at_the_start_naming_the_setting(key, ra
     # 6 layers, 2-4 twice: decoder 4 2 3 4 5, where serial 2 and 3 would follow parallel 4
     (dict(NUM_LAYERS=6, VE_LAYERS="5", NUM_LOOPS=1, LOOP_START=2, LOOP_END=4, PARALLEL_START_LAYER=4),
      "PARALLEL_START_LAYER=4 puts a serial layer after a parallel one in the decoder [4, 2, 3, 4, 5]"),
-    (dict(ATTN_OUT_GATE_ENABLED=1, SPARSE_ATTN_GATE_ENABLED=1), "two forms of one gate: choose one"),
     (dict(MODEL_DIM=8, NUM_HEADS=2, NUM_KV_HEADS=1, ROPE_DIMS=2, SPARSE_ATTN_GATE_ENABLED=1),
      "GATE_WINDOW must be <= MODEL_DIM"),  # (checked only with a gate on: MODEL_DIM=8 alone is valid)
 ])

@@ -118,13 +118,12 @@ class PlainGPT(nn.Module):
             y = causal_attention_reference(q, k, v)
             if i >= L - c.xsa_last_n:
                 y = xsa_reference(y, v)
-            if c.attn_out_gate_enabled or c.sparse_attn_gate_enabled:  # head h scaled by its gate
+            if c.sparse_attn_gate_enabled:  # head h scaled by its gate
                 w = p[f"blocks.{i}.attn_gate_w"]
                 gates = []
                 for h in range(H):
                     z = (a[..., :c.gate_window] * w[h]).sum(-1)
-                    gates.append(2 / (1 + torch.exp(-z)) if c.attn_out_gate_enabled
-                                 else 1 / (1 + torch.exp(-c.sparse_attn_gate_scale * z)))
+                    gates.append(1 / (1 + torch.exp(-c.sparse_attn_gate_scale * z)))
                 y = y * torch.stack(gates, dim=2)[..., None]
             return p[f"blocks.{i}.attn_scale"] * layer.o(y.reshape(B, T, D))
 
@@ -377,15 +376,14 @@ def test_model_is_causal(name):
 
 
 def test_init_facts_of_the_issue_21_parameters():
-    """Lanes: decay 1.1 and unit writes (the 2026-03-31 record); skip gates 0 (sig = 0.5); the output gate's W 0 (2 sig
-    = 1: transparent), or N(0, SPARSE_ATTN_GATE_INIT_STD) for the sparse form."""
+    """Lanes: decay 1.1 and unit writes (the 2026-03-31 record); skip gates 0 (sig = 0.5); the sparse gate's W 0, or
+    N(0, SPARSE_ATTN_GATE_INIT_STD)."""
     cfg = make_cfg(**MODEL_CONFIGS["gates"])
     m = tg.GPT(cfg)
     assert torch.equal(m.parallel_resid, torch.full((3, 2), 1.1)) and torch.equal(m.parallel_post, torch.ones(3, 2, 2))
     assert torch.equal(m.skip_gates, torch.zeros(2, 32)) and torch.equal(m.skip_weights, torch.ones(2, 32))
     assert all(torch.equal(b.attn_gate_w, torch.zeros(2, 8)) for b in m.blocks)
-    sparse = make_cfg(**(MODEL_CONFIGS["gates"] | dict(ATTN_OUT_GATE_ENABLED=0, SPARSE_ATTN_GATE_ENABLED=1,
-                                                       SPARSE_ATTN_GATE_INIT_STD=0.5)))
+    sparse = make_cfg(**(MODEL_CONFIGS["gates"] | dict(SPARSE_ATTN_GATE_INIT_STD=0.5)))
     torch.manual_seed(0)
     w = torch.cat([b.attn_gate_w.flatten() for b in tg.GPT(sparse).blocks])
     assert 0.4 < w.std() < 0.6 and abs(w.mean()) < 0.15
