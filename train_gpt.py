@@ -31,7 +31,6 @@ import struct
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
@@ -190,8 +189,8 @@ class Hyperparameters:
     val_loss_every: int = S(4000, "plain val scoring every N steps (0 = only at the end)", NON_NEGATIVE)
     val_batch_size: int = S(524288, "scoring tokens per forward over all ranks x grad-accum slots", POSITIVE)
     train_log_every: int = S(500, "train_loss line every N steps (and the first 10)", NON_NEGATIVE)
-    compressor: str = S("auto", "auto (smallest of rans, zstd, lzma) | rans | zstd | lzma | fast (zstd-3 for sweeps: "
-                        "0.2 s)", ("auto", "zstd", "lzma", "fast", "rans"))
+    compressor: str = S("rans", "rans (context-modelled rANS, the smallest) | fast (zstd-3 for sweeps: 0.2 s)",
+                        ("rans", "fast"))
     int6_scale_floor: float = S(1 / 31, "floor on int6 row scales: coarsens tiny rows, compresses better")
     matrix_clip_sigmas: float = S(0.0, "bank row scale = k * std(row) / 31 (SD clip); 0 = the clip search",
                                   NON_NEGATIVE)
@@ -2147,13 +2146,9 @@ INT8_CLIP_QUANTILE = 0.9999984  # the reference's per-row clip for int8 tables
 KEEP_FLOAT_MAX_NUMEL = 65536  # tensors up to this size stay float (fp16)
 SIZE_LIMIT_BYTES = 16_000_000  # artifact + code, decimal bytes (the challenge's rule)
 ARTIFACT_MAGIC, PAYLOAD_MAGIC = b"PGA1", b"PGT2"  # PGT1: before the settings were stored
-COMPRESSOR_CODES = {"zstd": 0, "lzma": 1, "rans": 3}  # 2: the order-0 rANS of e1ee1bd, no longer read
-# xz preset 6|extreme came out 34-38 KB smaller than 9|extreme (and ~10% faster) on both PQB artifacts
-# (15,408,208 vs 15,442,060 and 15,461,288 vs 15,499,120 bytes); zstd-22 was ~1 MB larger than either.
-LZMA_PRESET = 6 | lzma.PRESET_EXTREME
-# COMPRESSOR=fast: the coder is lossless, so a comparison's scores do not depend on it, but xz took 36 s of
-# every PQB run (H200 host, 27.1 MB payload). zstd level 3 took 0.2 s for 12.24 MB against xz's 10.85 MB.
-ZSTD_FAST_LEVEL = 3
+COMPRESSOR_CODES = {"zstd": 0, "rans": 3}  # 1 (xz) and 2 (an order-0 rANS): older artifacts, no longer read
+LZMA_PRESET = 6 | lzma.PRESET_EXTREME  # rANS's side data; on whole PQB payloads 34-38 KB smaller than 9|extreme
+ZSTD_FAST_LEVEL = 3  # COMPRESSOR=fast: 0.2 s for a PQB payload (27.1 MB) where xz took 36 s; 12.24 MB vs 10.85
 
 
 def unbank(state: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
@@ -2287,7 +2282,7 @@ def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dic
 # rows at k = 5, 7% at 12.85. xz, zstd-22 and zstd-3 made the clip-search payload 6.0%, 10.8% and 8.1% larger.
 PREDICT_BITS, PREDICT_SIDE_BYTES = {"q6": 4.245, "q8": 7.200}, 1.55
 PREDICT_SD_BITS = ((5, 7, 9, 12.85, 16), (4.148, 3.890, 3.612, 3.142, 2.852))
-PREDICT_CODER = {"auto": 1.0, "rans": 1.0, "lzma": 1.060, "zstd": 1.108, "fast": 1.081}
+PREDICT_CODER = {"rans": 1.0, "fast": 1.081}
 
 
 def sd_clip_bits(k: float) -> float:
@@ -2567,41 +2562,26 @@ def rans_decompress(body: bytes) -> bytes:
 
 
 def compress(payload: bytes, method: str) -> tuple[bytes, str]:
-    """xz (LZMA_PRESET), zstd level 22 or rans (rans_compress); auto keeps the smallest of the three (rans by
-    885 KB on the PQB artifact: 14,797,155 B vs xz's 15,683,809); fast is zstd at ZSTD_FAST_LEVEL. Every coder
-    checks integrity. Returns (artifact, coder)."""
-    methods = ["rans", "zstd", "lzma"] if method == "auto" else [method]
+    """COMPRESSOR=rans (rans_compress: the PQB artifact in 14,797,155 B, xz's whole-payload 15,683,809, zstd-22's
+    about 1 MB more) or fast (zstd at ZSTD_FAST_LEVEL, for sweeps). Both check integrity. Returns (artifact, coder)."""
+    if method == "rans":
+        return ARTIFACT_MAGIC + bytes([COMPRESSOR_CODES["rans"]]) + rans_compress(payload), "rans"
     if _zstd() is None:
-        if method in ("zstd", "fast"):
-            raise RuntimeError(f"COMPRESSOR={method} but the zstandard package is not installed")
-        methods = [m for m in methods if m != "zstd"]
-    def encode(m: str) -> bytes:
-        if m == "rans":
-            return rans_compress(payload)
-        if m in ("zstd", "fast"):
-            level = ZSTD_FAST_LEVEL if m == "fast" else 22
-            return _zstd().ZstdCompressor(level=level, write_checksum=True).compress(payload)
-        return lzma.compress(payload, format=lzma.FORMAT_XZ, preset=LZMA_PRESET)
-    with ThreadPoolExecutor(len(methods)) as pool:  # all release the GIL in their long calls: auto costs about max
-        blobs = dict(zip(methods, pool.map(encode, methods)))
-    best = min(blobs, key=lambda m: len(blobs[m]))
-    coder = "zstd" if best == "fast" else best
-    return ARTIFACT_MAGIC + bytes([COMPRESSOR_CODES[coder]]) + blobs[best], coder
+        raise RuntimeError(f"COMPRESSOR={method} but the zstandard package is not installed")
+    blob = _zstd().ZstdCompressor(level=ZSTD_FAST_LEVEL, write_checksum=True).compress(payload)
+    return ARTIFACT_MAGIC + bytes([COMPRESSOR_CODES["zstd"]]) + blob, "zstd"
 
 
 def decompress(blob: bytes) -> bytes:
     if len(blob) < 5 or blob[:4] != ARTIFACT_MAGIC or blob[4] not in COMPRESSOR_CODES.values():
-        raise ValueError("not an artifact of this script (bad magic or compressor byte; byte 2 is the order-0 rANS of "
+        raise ValueError("not an artifact of this script (bad magic or compressor byte; bytes 1 and 2 are coders of "
                          "an older train_gpt.py: export it again)")
     try:
         if blob[4] == COMPRESSOR_CODES["rans"]:
             return rans_decompress(blob[5:])
-        if blob[4] == COMPRESSOR_CODES["zstd"]:
-            if _zstd() is None:
-                raise RuntimeError("artifact is zstd-compressed but the zstandard package is not installed")
-            dec = _zstd().ZstdDecompressor().decompressobj()
-        else:
-            dec = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+        if _zstd() is None:
+            raise RuntimeError("artifact is zstd-compressed but the zstandard package is not installed")
+        dec = _zstd().ZstdDecompressor().decompressobj()
         out = dec.decompress(blob[5:])
         if not dec.eof or dec.unused_data:  # one-shot APIs silently accept truncation / trailing junk
             raise ValueError("artifact is corrupt or truncated: stream incomplete or followed by extra bytes")

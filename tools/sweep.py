@@ -64,6 +64,7 @@ class Preset:
 # The proxy quality benchmark of ../shared/docs/REFERENCE.md with accumulation 1 (same math, faster), all 8
 # proxy train shards. COMPRESSOR=fast: xz took 36 s of each run, zstd-3 0.2 s (the coder is lossless; the
 # runner reports the default coder's size as bytes_auto, coded on the CPU while the GPU goes on).
+DEFAULT_CODER = "rans"  # train_gpt.py's COMPRESSOR default (and what "auto" picked before 2026-11-26)
 # TRAIN_LOG_EVERY=100 only adds points to the loss curves.
 PQB = ("TRAIN_BATCH_TOKENS=131072 WARMDOWN_ITERS=750 MUON_MOMENTUM_WARMUP_STEPS=400 VAL_LOSS_EVERY=0 "
        "EVAL_STRIDE=64 GRAD_ACCUM_STEPS=1 COMPRESSOR=fast TRAIN_LOG_EVERY=100")
@@ -131,8 +132,8 @@ def load_script(path: Path):
 
 
 def coder_setting(settings: dict[str, str]) -> str:
-    """A run's COMPRESSOR: its variant's, else the sweep's environment's (the runs inherit it), else auto."""
-    return settings.get("COMPRESSOR", os.environ.get("COMPRESSOR", "auto"))
+    """A run's COMPRESSOR: its variant's, else the sweep's environment's (the runs inherit it), else the default."""
+    return settings.get("COMPRESSOR", os.environ.get("COMPRESSOR", DEFAULT_CODER))
 
 
 def check_settings(tg, name: str, settings: dict[str, str], world_size: int) -> None:
@@ -146,7 +147,7 @@ def check_settings(tg, name: str, settings: dict[str, str], world_size: int) -> 
             raise SweepError(f"variant {name}: {key} is ignored by train_gpt.py (a dropped reference setting)")
         close = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.0)
         raise SweepError(f"variant {name}: unknown setting {key}; closest valid setting: {close[0]}")
-    if coder_setting(settings) in ("zstd", "fast") and tg._zstd() is None:
+    if coder_setting(settings) != DEFAULT_CODER and tg._zstd() is None:
         raise SweepError(f"variant {name}: COMPRESSOR={coder_setting(settings)} needs the zstandard package, which "
                          "this Python lacks")
     try:
@@ -282,7 +283,7 @@ class Executor:
         self.procs: set[subprocess.Popen] = set()
         self.stopping = False
         self.coder = ThreadPoolExecutor(workers)  # the coders release the GIL: one core per pending artifact
-        self.recoded: dict[str, Future] = {}  # run_id -> COMPRESSOR=auto size of its artifact
+        self.recoded: dict[str, Future] = {}  # run_id -> COMPRESSOR=rans size of its artifact
 
     def say(self, msg: str) -> None:
         with self.lock:
@@ -315,7 +316,7 @@ class Executor:
             for line in proc.stdout:
                 out.write(line)
                 t = time.monotonic() - t0
-                if line.startswith("Serialized model int6+") and coder_setting(run.settings) != "auto":
+                if line.startswith("Serialized model int6+") and coder_setting(run.settings) != DEFAULT_CODER:
                     # written and closed before this line: recode it while the run scores it
                     artifact = self.cwd / run.settings["ARTIFACT_PATH"]
                     self.recoded[run.run_id] = self.coder.submit(self.default_coder_size, artifact)
@@ -333,8 +334,8 @@ class Executor:
         return True
 
     def default_coder_size(self, artifact: Path) -> int:
-        """The artifact's size had the run used the default coder (COMPRESSOR=auto), as a record would."""
-        return len(self.tg.compress(self.tg.decompress(artifact.read_bytes()), "auto")[0])
+        """The artifact's size had the run used the default coder (COMPRESSOR=rans), as a record would."""
+        return len(self.tg.compress(self.tg.decompress(artifact.read_bytes()), DEFAULT_CODER)[0])
 
     def add_auto_sizes(self, runs: list[Run]) -> None:
         for run in runs:
@@ -342,7 +343,7 @@ class Executor:
                 try:
                     run.metrics["bytes_auto"] = float(self.recoded[run.run_id].result() + run.metrics["code_bytes"])
                 except Exception as e:  # noqa: BLE001  (the column stays empty for this run)
-                    print(f"sweep: warning: COMPRESSOR=auto coding of {run.run_id}'s artifact failed: {e!r}",
+                    print(f"sweep: warning: COMPRESSOR=rans coding of {run.run_id}'s artifact failed: {e!r}",
                           file=sys.stderr)
 
     def stop(self) -> None:
@@ -403,7 +404,7 @@ def collect(run: Run, cwd: Path, out_path: Path, timed_out: bool) -> None:
         m["step_avg_ms"] = float(log.events["train_done"]["step_avg"].removesuffix("ms"))
     if log.total_bytes is not None:
         m["bytes"], m["code_bytes"] = float(log.total_bytes), float(log.code_bytes)
-        if coder_setting(run.settings) == "auto":  # already the default coder
+        if coder_setting(run.settings) == DEFAULT_CODER:  # already the default coder
             m["bytes_auto"] = m["bytes"]
     if log.peak_mib is not None:
         m["peak_alloc_mib"], m["peak_reserved_mib"] = map(float, log.peak_mib)
