@@ -3,12 +3,11 @@
 Record run:   torchrun --standalone --nproc_per_node=8 train_gpt.py
 One process:  python3 train_gpt.py        (CPU works too: tiny configs, gloo, SDPA math, no compile)
 Every setting is an environment variable named after a Hyperparameters field (README lists them all).
-Seed system: PR #399 (parameter banking + Parallel Muon) on the PR #315/#414 model stack; facts and
-parity details in the project's REFERENCE.md. Line budget: 1,750 lines for today's features, growing only
-with features that earn their bytes.
+Seed system: PR #399 (parameter banking + Parallel Muon) on the PR #315/#414 model stack. Line budget: 2,750
+lines for today's features, at most 20% of the characters prose; a feature earns its lines with a measured gain.
 
-Sections (each banner says what it holds), each using only those above it: Config, Runtime, Optimizer, Data,
-Model, Kernels (and build_model), Scoring, Legal TTT, Export, Training, main.
+Sections, each using only those above it: Config, Runtime, Optimizer, Data, Model, Kernels (and build_model),
+Scoring, Legal TTT, Export, Training, main (the pipeline).
 """
 from __future__ import annotations
 
@@ -47,28 +46,26 @@ try:  # the optional kernels (Kernels section); CUDA builds of torch bring trito
 except ImportError:
     triton = None
 
-# =============================================================================================
-# Config
-# =============================================================================================
+# ===== Config =====
 
-DROPPED_SETTINGS = {"SWA_ENABLED", "SWA_EVERY", "DTG_ENABLED", "LATE_QAT", "QAT_ENABLED",
-                    "GATED_ATTENTION", "VALUE_RESIDUAL",  # + LAWA_*, MTP_*: the reference's dead ends
+DROPPED_SETTINGS = {"SWA_ENABLED", "SWA_EVERY", "DTG_ENABLED", "LATE_QAT", "QAT_ENABLED", "GATED_ATTENTION",
+                    "VALUE_RESIDUAL",  # + LAWA_*, MTP_*: the reference's dead ends
                     "FP8_ENABLED",  # ours until 2026-11: no faster at the record micro-batch, 0.002-0.003 bpb worse
-                    "ATTN_OUT_GATE_ENABLED"}  # ours until 2026-11-26: the dense 2 sig(W h) form of the sparse gate
+                    "ATTN_OUT_GATE_ENABLED"}  # ours until 2026-11-26: the dense form of the sparse gate
 DROPPED_PREFIXES = ("LAWA_", "MTP_")
 # Environment variables of launchers and libraries that share a word with our fields.
 FOREIGN_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP_", "MASTER_", "LOCAL_", "GROUP_", "ROLE_",
                     "TRITON", "PYTHON", "HF_", "MKL", "KMP_", "GLOO", "NVIDIA", "CUBLAS", "CUDNN")
 GENERIC_WORDS = {"MAX", "NUM", "RUN", "DATA", "MODEL", "HEAD", "DEVICE", "LOCAL", "WORLD", "RANK"}
-# The values a number may take (a zero head count or a negative learning rate is a typo, not a run)
+# A zero head count or a negative learning rate is a typo, not a run.
 POSITIVE, NON_NEGATIVE, FRACTION = "> 0", ">= 0", "in [0, 1)"
 IN_RANGE = {POSITIVE: lambda v: v > 0, NON_NEGATIVE: lambda v: v >= 0, FRACTION: lambda v: 0 <= v < 1}
 
 
 def S(default, meaning: str, allowed: str | tuple = "", model: bool = False, on: str = ""):
-    """A setting: default, meaning (the README's table), allowed values (POSITIVE, NON_NEGATIVE, FRACTION, an
-    inclusive (lo, hi), or the choices of a string), whether it defines the model (stored in every artifact), and
-    the feature it belongs to (`on`: the setting that turns it on, or "ttt_mode=sgd"), which reports it if off."""
+    """A setting: its default, meaning (README's table), allowed values (a range, an inclusive (lo, hi) or a string's
+    choices), whether it defines the model (stored in every artifact), and `on`: the setting of its feature
+    ("ttt_mode=sgd": of a mode), with which off it is reported as ignored."""
     return field(default=default, metadata=dict(meaning=meaning, allowed=allowed, model=model, on=on))
 
 
@@ -90,14 +87,14 @@ class Hyperparameters:
     iterations: int = S(20000, "max optimizer steps", NON_NEGATIVE)
     warmup_steps: int = S(20, "compile warmup steps, then weights/optimizer/data are restored", NON_NEGATIVE)
     warmdown_iters: int = S(3500, "linear lr decay length, converted to wallclock when capped", NON_NEGATIVE)
-    max_wallclock_seconds: float = S(600.0, "training cap (0 = iteration-based); a step starts only if "
-                                     "CAP_MARGIN fits", NON_NEGATIVE)
+    max_wallclock_seconds: float = S(600.0, "training cap (0 = by steps); a step starts only if CAP_MARGIN fits",
+                                     NON_NEGATIVE)
     train_batch_tokens: int = S(786432, "global tokens per optimizer step", POSITIVE)
     train_seq_len: int = S(2048, "training sequence length (tokens)", POSITIVE)
     grad_accum_steps: int = S(0, "0 = max(1, 8 // WORLD_SIZE): same global batch for 1..8 GPUs", NON_NEGATIVE)
     compile_enabled: str = S("auto", "torch.compile: auto = on for CUDA, off for CPU", ("auto", "0", "1"))
-    cuda_graphs: str = S("auto", "each micro-batch's forward+backward replayed as one CUDA graph: auto = on for "
-                         "CUDA", ("auto", "0", "1"))
+    cuda_graphs: str = S("auto", "each micro-batch's forward+backward as one CUDA graph: auto = on for CUDA",
+                         ("auto", "0", "1"))
     train_sampling: str = S("sequential", "sequential (shards in order) | coprime (strided over all shards)",
                             ("sequential", "coprime"))
     # --- model
@@ -109,8 +106,8 @@ class Hyperparameters:
     mlp_negative_slope: float = S(0.5, "LeakyReLU(slope)^2 MLP; 0 = relu^2", NON_NEGATIVE, True)
     tie_embeddings: bool = S(True, "output head = token embedding", model=True)
     tied_embed_init_std: float = S(0.005, "token embedding init std", NON_NEGATIVE)
-    rope_base: float = S(10000.0, "explicit: no silent length rescaling (the reference's ran at ~22,082)",
-                         POSITIVE, True)
+    rope_base: float = S(10000.0, "explicit: no silent length rescaling (the reference's ran at ~22,082)", POSITIVE,
+                         True)
     rope_dims: int = S(16, "partial RoPE: rotate the first ROPE_DIMS of each head (even, <= head dim)", model=True)
     logit_softcap: float = S(30.0, "tanh softcap on logits (0 = off)", NON_NEGATIVE, True)
     qk_gain_init: float = S(1.5, "per-head query gain after q/k RMSNorm")
@@ -121,37 +118,33 @@ class Hyperparameters:
     smear_enabled: bool = S(True, "SmearGate on the embedding", model=True)
     ve_enabled: bool = S(True, "shared value embedding added to V", model=True)
     ve_dim: int = S(128, "value-embedding table width (projected to the KV width)", POSITIVE, True, "ve_enabled")
-    ve_layers: str = S("-2,-1", "comma-separated layer indices; negative ones count back from NUM_LAYERS (-1: the "
-                       "last)", model=True, on="ve_enabled")
-    num_loops: int = S(0, "depth recurrence: layers LOOP_START..LOOP_END run NUM_LOOPS more times, same weights "
-                       "(0 = off)", NON_NEGATIVE, True)
+    ve_layers: str = S("-2,-1", "comma-separated layers; negative ones count back from NUM_LAYERS (-1: the last)",
+                       model=True, on="ve_enabled")
+    num_loops: int = S(0, "depth recurrence: LOOP_START..LOOP_END run NUM_LOOPS more times (0 = off)", NON_NEGATIVE,
+                       True)
     loop_start: int = S(3, "first layer of the looped segment", NON_NEGATIVE, True, "num_loops")
     loop_end: int = S(5, "last layer of the looped segment (inclusive)", NON_NEGATIVE, True, "num_loops")
     enable_looping_at: float = S(0.35, "training progress at which the repeats start (scoring always runs them)",
                                  FRACTION, on="num_loops")
     # The 2026-04-27 record's lanes, gates and optimizer settings (below, on by default) together: -0.033 bpb on
-    # pqb-t at equal time for +5.2% record step (lanes -0.008, the rest -0.025: records/PERFORMANCE.md)
-    parallel_start_layer: int = S(8, "decoder layers from this one on: two residual lanes (0 = off; past the depth: "
-                                  "none)", NON_NEGATIVE, True)
-    parallel_final_lane: str = S("mean", "what leaves the two lanes: mean | attn | mlp (that lane)",
-                                 ("mean", "attn", "mlp"), True)
-    skip_gates_enabled: bool = S(True, "U-Net skips through a per-channel gate: sig(g) x + (1 - sig(g)) skip, g0 = 0",
-                                 model=True)
-    sparse_attn_gate_enabled: bool = S(True, "per-head attention output x sig(SCALE W h[:GATE_WINDOW]) (0.5 at "
-                                       "init)", model=True)
+    # pqb-t at equal time for +5.2% record step (lanes -0.008, the rest -0.025)
+    parallel_start_layer: int = S(8, "decoder layers from this one on: two residual lanes (0 = off)", NON_NEGATIVE,
+                                  True)
+    parallel_final_lane: str = S("mean", "what leaves the two lanes: mean | attn | mlp", ("mean", "attn", "mlp"), True)
+    skip_gates_enabled: bool = S(True, "U-Net skips through a gate: sig(g) x + (1 - sig(g)) skip, g0 = 0", model=True)
+    sparse_attn_gate_enabled: bool = S(True, "per-head attention output x sig(SCALE W h[:GATE_WINDOW])", model=True)
     sparse_attn_gate_scale: float = S(0.5, "SCALE of the sparse gate", POSITIVE, True, "sparse_attn_gate_enabled")
     sparse_attn_gate_init_std: float = S(0.0, "its W's init std (0 = zeros)", NON_NEGATIVE,
                                          on="sparse_attn_gate_enabled")
-    gate_window: int = S(12, "leading channels of the attention input h (normalised) that the sparse gate reads",
-                         POSITIVE, True, "sparse_attn_gate_enabled")
-    smear_bos_fix: bool = S(True, "SmearGate mixes nothing into a document's first token (BOS) from the one before",
+    gate_window: int = S(12, "leading channels of the normed attention input h the gate reads", POSITIVE, True,
+                         "sparse_attn_gate_enabled")
+    smear_bos_fix: bool = S(True, "SmearGate mixes nothing into a document's BOS from the one before", model=True)
+    doc_isolation: bool = S(False, "nothing crosses a BOS: block-diagonal attention, BigramHash (train and score)",
                             model=True)
-    doc_isolation: bool = S(False, "nothing crosses a BOS: block-diagonal causal attention, BigramHash (train and "
-                            "score)", model=True)
     attn_backend: str = S("auto", "auto = fa3 if importable, else SDPA cudnn (CUDA) / math (CPU); varlen: "
                           "DOC_ISOLATION on CUDA", ("auto", "fa3", "flash", "cudnn", "math", "varlen"))
-    kernels: str = S("auto", "q/k norm+RoPE+gain, XSA, soft-capped cross entropy: auto = triton on CUDA, torch ops "
-                     "on CPU (triton there needs TRITON_INTERPRET=1)", ("auto", "triton", "torch"))
+    kernels: str = S("auto", "q/k norm+RoPE, XSA, softcap CE: auto = triton on CUDA, torch ops on CPU (triton there "
+                     "needs TRITON_INTERPRET=1)", ("auto", "triton", "torch"))
     # --- optimizer
     matrix_lr: float = S(0.025, "Muon lr for the four banks", NON_NEGATIVE)
     scalar_lr: float = S(0.025, "AdamW lr for control tensors and small projections", NON_NEGATIVE)
@@ -176,10 +169,10 @@ class Hyperparameters:
     grad_clip_norm: float = S(0.3, "clip by the global norm of the reduced gradient (0 = off)", NON_NEGATIVE)
     # --- averaging / QAT
     ema_enabled: bool = S(True, "keep an EMA of all weights and export it")
-    ema_horizon: float = S(0.08, "EMA time constant as a fraction of the run (ITERATIONS, or the wallclock cap)",
-                           NON_NEGATIVE, on="ema_enabled")
-    ema_decay: float = S(0.0, "fixed per-step decay instead (the reference's 0.997); 0 = from EMA_HORIZON",
-                         FRACTION, on="ema_enabled")
+    ema_horizon: float = S(0.08, "EMA time constant, a fraction of the run (steps, or the wallclock cap)", NON_NEGATIVE,
+                           on="ema_enabled")
+    ema_decay: float = S(0.0, "fixed per-step decay instead (the reference's 0.997); 0 = from EMA_HORIZON", FRACTION,
+                         on="ema_enabled")
     late_qat_threshold: float = S(0.15, "fake-quantize banks to int6 once lr scale < this (0 = off)", (0, 1))
     # --- eval / logging / export
     eval_seq_len: int = S(2048, "sliding-window scoring window", POSITIVE)
@@ -197,11 +190,11 @@ class Hyperparameters:
     mlp_clip_sigmas: float = S(0.0, "SD clip k of the MLP matrices; 0 = MATRIX_CLIP_SIGMAS", NON_NEGATIVE)
     attn_clip_sigmas: float = S(0.0, "SD clip k of the attention matrices; 0 = MATRIX_CLIP_SIGMAS", NON_NEGATIVE)
     embed_bits: int = S(8, "bits of the big tables' codes (EMBED_TABLES, an untied head)", (4, 8))
-    gptq_calibration_batches: int = S(0, "GPTQ for the banks, X^T X from this many train micro-batches per rank; "
-                                      "0 = off", NON_NEGATIVE)
-    gptq_reserve_seconds: float = S(0.0, "under the wallclock cap, training stops this much earlier for the "
-                                    "calibration", NON_NEGATIVE)
-    auto_size: float = S(0.0, "MLP width (or bigram table, MLP_MULT set) filling this fraction of the limit; 0 = off",
+    gptq_calibration_batches: int = S(0, "GPTQ's X^T X from this many train micro-batches per rank (0 = off)",
+                                      NON_NEGATIVE)
+    gptq_reserve_seconds: float = S(0.0, "training stops this much before the wallclock cap, for the calibration",
+                                    NON_NEGATIVE)
+    auto_size: float = S(0.0, "MLP width (or bigram table, MLP_MULT set) filling this fraction of the limit (0 = off)",
                          FRACTION)
     # --- legal test-time training (score first, then train; after the final scoring)
     ttt_enabled: bool = S(False, "run legal TTT on the read-back artifact and log legal_ttt")
@@ -223,10 +216,11 @@ class Hyperparameters:
     ttt_lora_lr: float = S(3e-4, "AdamW lr (betas 0, 0.99; eps 1e-10); 3e-4 gained 0.0085 on pqb, 1e-4 0.0053",
                            POSITIVE, on="ttt_mode=lora")
     ttt_weight_decay: float = S(0.5, "AdamW weight decay of the adapters", NON_NEGATIVE, on="ttt_mode=lora")
-    ttt_grad_steps: int = S(1, "AdamW steps on each chunk after it is scored (0 = score only); 2 at lr 1e-4: -0.0063 "
-                            "vs -0.0055, twice the time", NON_NEGATIVE, on="ttt_mode=lora")
-    ttt_chunk_size: int = S(64, "targets per chunk of a document (scored, then trained on); 64 = EVAL_STRIDE: a "
-                            "later window is one chunk", POSITIVE, on="ttt_mode=lora")
+    ttt_grad_steps: int = S(1, "AdamW steps on a chunk after it is scored (0 = score only); 2 at lr 1e-4: -0.0063 vs "
+                            "-0.0055, twice the time",
+                            NON_NEGATIVE, on="ttt_mode=lora")
+    ttt_chunk_size: int = S(64, "targets per chunk of a document (scored, then trained on); EVAL_STRIDE: a window each",
+                            POSITIVE, on="ttt_mode=lora")
     ttt_batch_size: int = S(64, "documents per lockstep batch (rows of a step) on each rank", POSITIVE,
                             on="ttt_mode=lora")
 
@@ -341,7 +335,7 @@ class Hyperparameters:
         return P if 0 < P < self.num_layers else self.num_layers
 
     @property
-    def ve_layer_list(self) -> list[int]:  # 0..NUM_LAYERS-1 (the default -2,-1 is 9,10 of 11, as the records')
+    def ve_layer_list(self) -> list[int]:  # 0..NUM_LAYERS-1 (the default -2,-1: 9,10 of 11, the records')
         return [int(s) % self.num_layers for s in self.ve_layers.split(",") if s.strip()] if self.ve_enabled else []
 
 
@@ -364,9 +358,8 @@ def _parse_value(key: str, raw: str, typ: str):
 
 def adopt_settings(cfg: Hyperparameters, stored: dict, names: tuple[str, ...], explicit: set[str],
                    source: str) -> tuple[Hyperparameters, list[str]]:
-    """cfg with the settings `names` taken from `stored`, what an artifact or a checkpoint was made with. A
-    setting the environment sets (`explicit`) keeps its value: an error if it differs in a MODEL_SETTINGS
-    entry (another model), else a warning. Returns (config, warnings)."""
+    """cfg with the settings `names` of an artifact or checkpoint (`stored`); one the environment sets (`explicit`)
+    keeps its value, with a warning, or an error for a model setting (another model). Returns (config, warnings)."""
     unknown, missing = set(stored) - {f.name for f in fields(cfg)}, set(names) - set(stored)
     if unknown or missing:
         raise ValueError(f"{source} was made by another version of train_gpt.py (settings unknown here: "
@@ -382,14 +375,13 @@ def adopt_settings(cfg: Hyperparameters, stored: dict, names: tuple[str, ...], e
     return cfg, warnings
 
 
-# The parameter layout, read by the optimizer's table, the model, the export and TTT. Banks (PR #399): one 3-D
-# parameter per matrix shape, so Muon orthogonalises every layer's matrices of a kind as one batch. Layer i's
-# matrix of slot s lives at bank[s * NUM_LAYERS + i].
+# Banks (PR #399): one 3-D parameter per matrix shape, so Muon orthogonalises every layer's matrices of a kind as
+# one batch. Layer i's matrix of slot s lives at bank[s * NUM_LAYERS + i].
 BANKS = {"qo_bank": ("attn.q", "attn.o"), "kv_bank": ("attn.k", "attn.v"),
          "mlp_up_bank": ("mlp.up",), "mlp_down_bank": ("mlp.down",)}
 MATRICES = {name: (bank, slot) for bank, names in BANKS.items() for slot, name in enumerate(names)}
 ZERO_INIT = ("attn.o", "mlp.down")  # the reference's init: these start at zero, the others orthogonal
-# The embedding tables: AdamW's token group, bf16 parameters on CUDA (as in the reference), int8 when exported.
+# AdamW's token group: bf16 parameters on CUDA (as in the reference), int8 when exported.
 EMBED_TABLES = ("tok_emb.weight", "bigram.embed.weight", "ve.embed.weight")
 
 
@@ -399,9 +391,8 @@ def layer_matrix(banks: dict[str, Tensor], name: str, i: int, num_layers: int) -
 
 
 def layer_order(cfg: Hyperparameters, looping: bool) -> list[int]:
-    """The layer run at each position of the stack; its first half is the U-Net encoder. Looping, the segment
-    LOOP_START..LOOP_END runs 1 + NUM_LOOPS times (the 2026-04-27 record: 11 layers, 3..5 three times, 17
-    positions)."""
+    """The layer at each position of the stack (the first half: the U-Net encoder); looping, LOOP_START..LOOP_END
+    runs 1 + NUM_LOOPS times (the 04-27 record: 3..5 three times, 17 positions)."""
     L, a, b = cfg.num_layers, cfg.loop_start, cfg.loop_end
     if not (looping and cfg.num_loops > 0):
         return list(range(L))
@@ -409,21 +400,17 @@ def layer_order(cfg: Hyperparameters, looping: bool) -> list[int]:
 
 
 def parallel_positions(cfg: Hyperparameters, looping: bool) -> list[bool]:
-    """Which positions of layer_order run two residual lanes: decoder positions (the second half) of the
-    layers from PARALLEL_START_LAYER on."""
+    """Which positions of layer_order run two residual lanes: the decoder's, from PARALLEL_START_LAYER on."""
     order = layer_order(cfg, looping)
     return [pos >= len(order) // 2 and i >= cfg.parallel_start for pos, i in enumerate(order)]
 
 
-# =============================================================================================
-# Runtime: the "auto" choices resolved once, distributed helpers, logging, clock
-# =============================================================================================
+# ===== Runtime: the "auto" choices resolved once, distributed helpers, logging, clock =====
 
 @dataclass(frozen=True)
 class Runtime:
-    """What the settings and the machine decide together, resolved once by init_runtime and logged once
-    (the `layout` line). The defaults are one CPU process: world_size == 1 is the degenerate case of the
-    same code, so tests build models and trainers with Runtime() as they are."""
+    """What the settings and the machine decide together, resolved once (init_runtime) and logged (`layout`). The
+    defaults are one CPU process: world_size 1 is the degenerate case of the same code."""
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -452,9 +439,8 @@ def resolve_grad_accum_steps(cfg: Hyperparameters, world_size: int) -> int:
 
 
 def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Runtime:
-    """Resolve every "auto" setting for this machine and process, join the process group, and configure CUDA.
-    WORLD_SIZE / RANK / LOCAL_RANK come from `env` (default os.environ); TRITON_INTERPRET and the rendezvous
-    variables are read from os.environ, where Triton and torch.distributed read them."""
+    """Resolve every "auto" setting for this process, join the process group, configure CUDA. WORLD_SIZE, RANK and
+    LOCAL_RANK come from `env` (default os.environ)."""
     env = os.environ if env is None else env
     world_size, rank, local_rank = (int(env.get(k, d)) for k, d in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")))
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
@@ -497,11 +483,9 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
 
 
 def configure_inductor() -> None:
-    """Inductor's mix-order reductions (the per-channel scale gradients summed inside the rms_norm backward that
-    reads the same rows) are off unless TORCHINDUCTOR_MIX_ORDER_REDUCTION is set. Torch 2.11, H200, record step:
-    single-stage they cost 20 ms; multi-stage was 1.8 ms faster than off in session 13 and 2.1 ms slower in
-    session 16 (596.2 vs 594.1 ms, one call), and its fusion pass asserts on the ungated U-Net skip
-    (SKIP_GATES_ENABLED=0: scheduler.sub_node_can_fuse, `assert not isinstance(node1, FusedMixOrderReductions)`)."""
+    """Inductor's mix-order reductions off unless TORCHINDUCTOR_MIX_ORDER_REDUCTION is set: single-stage they cost
+    20 ms of a record step (torch 2.11, H200), multi-stage within +-2 ms, and their fusion asserts on the ungated
+    U-Net skip (SKIP_GATES_ENABLED=0)."""
     import torch._inductor.config
     c = torch._inductor.config.triton
     if "TORCHINDUCTOR_MIX_ORDER_REDUCTION" not in os.environ and hasattr(c, "mix_order_reduction"):
@@ -509,8 +493,7 @@ def configure_inductor() -> None:
 
 
 def compiled(fn, rt: Runtime):
-    """The one way this file compiles: whole graphs of fixed shapes (one compile per shape), except the dimensions
-    a caller marks dynamic (lora TTT's rows and lengths: one graph for all)."""
+    """The one way this file compiles: whole graphs of fixed shapes, but for dimensions a caller marks dynamic."""
     return torch.compile(fn, dynamic=False, fullgraph=True) if rt.compile_enabled else fn
 
 
@@ -528,9 +511,8 @@ def all_reduce_sum_(t: Tensor, async_op: bool = False):
 
 
 class FlatTensors:
-    """Tensors as one fp32 concatenation: ONE async all-reduce over ranks (not one per tensor), and one
-    kernel for their norm or scaling (per tensor: 98 kernels for the ~50 replicated grads). With the
-    stacked Newton-Schulz below, the optimizer alone went from 2.24 to 1.95 ms on one H200."""
+    """Tensors as one fp32 concatenation: one async all-reduce, one kernel for their norm or scaling (98 kernels for
+    the ~50 replicated grads otherwise; with the stacked Newton-Schulz the optimizer went 2.24 -> 1.95 ms, H200)."""
 
     def __init__(self, tensors: list[Tensor]):
         self.tensors = tensors
@@ -544,8 +526,7 @@ class FlatTensors:
         return self.flat
 
     def write_back(self) -> None:
-        """One dtype at a time: foreach ops over a mixed-dtype list take the per-tensor path (here 49
-        memcpys instead of one launch)."""
+        """One dtype at a time: foreach ops over mixed dtypes take the per-tensor path (49 memcpys, not one)."""
         views = [f.view_as(t) for f, t in zip(self.flat.split([t.numel() for t in self.tensors]), self.tensors)]
         for dtype in {t.dtype for t in self.tensors}:
             pairs = [(t, v) for t, v in zip(self.tensors, views) if t.dtype == dtype]
@@ -573,10 +554,9 @@ def now_ms(device: torch.device) -> float:
 
 
 def claim_outputs(cfg: Hyperparameters, rt: Runtime) -> Hyperparameters:
-    """One run, one log, no output overwritten: rank 0 creates logs/<RUN_ID>.txt exclusively (two runs started together
-    cannot both take it) for the first of RUN_ID, RUN_ID_2, ... with no log, checkpoint or default artifact, and tells
-    the other ranks. An empty ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz; a given one that exists or is named like a
-    log or checkpoint is refused, as is a missing or read-only output folder (now, not after training)."""
+    """One run, one log, no output overwritten: rank 0 creates logs/<RUN_ID>.txt exclusively for the first free of
+    RUN_ID, RUN_ID_2, ... and tells the other ranks. An empty ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz; an existing
+    one, or a missing or read-only folder, is refused now, not after training."""
     def claim() -> Hyperparameters:
         logs, artifact, n = Path("logs"), Path(cfg.artifact_path), 1
         logs.mkdir(exist_ok=True)
@@ -639,13 +619,10 @@ def raise_interrupted(signum: int, _) -> None:
     raise Interrupted(signum)
 
 
-# =============================================================================================
-# Optimizer: Parallel Muon for the banks, AdamW for everything else
-# =============================================================================================
+# ===== Optimizer: Parallel Muon for the banks, AdamW for everything else =====
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (Keller Jordan, modded-nanogpt)
-# Polar Express (Amsel et al. 2025; the 2026-04-23 record, PR #1344): one (a, b, c) per iteration, the last
-# repeated after 5
+# Polar Express (Amsel et al. 2025; PR #1344): one (a, b, c) per iteration, the last repeated after 5
 POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (4.042929935166739, -2.808917465908714, 0.5000178451051316),
                  (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
@@ -655,12 +632,8 @@ POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
 
 def newton_schulz(G_BMN: Tensor, steps: int, eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16,
                   polar: bool = False) -> Tensor:
-    """Approximate the orthogonal polar factor U V^T of each matrix in a batch (bf16 as the reference;
-    fp32 for the CPU equality tests, where bf16 rounding would amplify summation-order noise).
-
-    Works on the wide orientation (transposing tall matrices) after Frobenius normalisation, so the
-    singular values land in roughly [0.7, 1.2] rather than exactly 1: that is Muon's design (Polar
-    Express: closer to 1)."""
+    """The orthogonal polar factor U V^T of each matrix, approximately (singular values in about [0.7, 1.2]: Muon's
+    design), on the wide orientation after Frobenius normalisation; bf16 as the reference (fp32: CPU tests)."""
     X = G_BMN.to(dtype)
     tall = X.size(-2) > X.size(-1)
     if tall:
@@ -675,8 +648,7 @@ def newton_schulz(G_BMN: Tensor, steps: int, eps: float = 1e-7, dtype: torch.dty
 
 
 def newton_schulz_stacked(Gs: list[Tensor], steps: int, dtype: torch.dtype, polar: bool = False) -> list[Tensor]:
-    """newton_schulz of several banks whose matrices have one shape up to transposition (MLP up and
-    down), as one batch: half the launches, larger GEMMs. Each matrix is still normalised alone."""
+    """newton_schulz of banks of one shape up to transposition (MLP up and down) as one batch: half the launches."""
     if len(Gs) == 1:
         return [newton_schulz(Gs[0], steps, dtype=dtype, polar=polar)]
     tall = [g.size(-2) > g.size(-1) for g in Gs]
@@ -692,13 +664,10 @@ def nesterov_momentum_(bufs: list[Tensor], grads: list[Tensor], momentum: float)
 
 
 class ParallelMuon(torch.optim.Optimizer):
-    """Muon over 3-D parameter banks, sharded over ranks along the bank dimension (PR #399).
-
-    Phases (called by Optimizers.step): launch_reduce_scatter -> finish_reduce_scatter (grad shards,
-    averaged) -> [caller clips] -> step (momentum + NS on the local shard, MLP up and down in one NS
-    batch; each stack's all-gathers overlapped with the next stack's NS). The momentum store is one
-    shard per bank per rank; with one rank the shard is the whole bank, so the same code and
-    state_dict serve 1 or N ranks."""
+    """Muon over 3-D parameter banks, sharded over ranks along the bank dimension (PR #399). Phases (Optimizers.step):
+    launch_reduce_scatter -> finish_reduce_scatter (averaged grad shards) -> [caller clips] -> step (momentum + NS
+    on the local shard; each stack's all-gathers overlap the next stack's NS). One momentum shard per bank per rank:
+    with one rank the whole bank, so the same code and state_dict serve 1 or N ranks."""
 
     def __init__(self, banks: list[Tensor], lr: float, momentum: float, weight_decay: float,
                  ns_steps: int, comm_dtype: torch.dtype, world_size: int, polar: bool = False,
@@ -814,9 +783,8 @@ def group_parameters(model: nn.Module) -> dict[str, list[tuple[str, Tensor]]]:
 
 
 class Optimizers:
-    """Parallel Muon + AdamW with the communication order of the issue: reduce-scatter banks and
-    all-reduce replicated grads (one coalesced buffer), wait, one scalar all-reduce for the global
-    grad norm, clip, AdamW, Muon with overlapped all-gathers."""
+    """Parallel Muon + AdamW: reduce-scatter the banks and all-reduce the replicated grads (one buffer), wait, one
+    scalar all-reduce for the global grad norm, clip, AdamW, Muon with overlapped all-gathers."""
 
     def __init__(self, model: nn.Module, cfg: Hyperparameters, rt: Runtime):
         groups = group_parameters(model)
@@ -869,8 +837,7 @@ class Optimizers:
         return norm
 
     def state_dict(self) -> dict:
-        """AdamW's state and Muon's momentum as whole banks (a collective): the same for any world size. Holds
-        references to AdamW's live state (deep-copy it to keep it)."""
+        """AdamW's state (live references) and Muon's momentum as whole banks (a collective): any world size."""
         return {"adam": self.adam.state_dict(), "momentum": [self.muon.whole_momentum(p) for p in self.muon.banks]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -882,9 +849,7 @@ class Optimizers:
             self.muon.load_whole_momentum(p, m, self.rank)
 
 
-# =============================================================================================
-# Data: challenge shards, memory-mapped; every rank/accum split sees the same global batch
-# =============================================================================================
+# ===== Data: challenge shards, memory-mapped; every rank/accum split sees the same global batch =====
 
 SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 1024
 GET_DATA = ("get FineWeb with `python3 data/cached_challenge_fineweb.py --variant sp1024` (network), or run "
@@ -902,8 +867,7 @@ def tokenizer_sha256(path: str) -> str:
 
 def check_tokenizer(sp, tokens: np.ndarray, where: str, docs: int = 50) -> None:
     """The tokenizer is the data's: at least 90% of the first `docs` documents decode and re-encode to their ids
-    (data/retokenize.py's check; the first 500 of the proxy's FineWeb sp1024 val and train shards: all). Another
-    tokenizer of the same vocabulary size scored 3.18 instead of 3.42 bpb, exit 0, before this check."""
+    (FineWeb's: all). Another tokenizer of the same vocabulary scored 3.18 instead of 3.42 bpb, exit 0, before."""
     starts = np.flatnonzero(np.asarray(tokens[:1 << 22]) == BOS_ID)[:docs + 1]
     ids = [np.asarray(tokens[a + 1:b]).tolist() for a, b in zip(starts, starts[1:])]
     exact = sum(a == b for a, b in zip(ids, sp.encode(sp.decode(ids))))
@@ -955,11 +919,9 @@ def shard_files(data_path: str, split: str) -> list[str]:
 
 
 class CoprimeSampler:
-    """Sequence-level sampling over all train shards (later records' multi-shard loader): the token array is cut into n
-    slots of TRAIN_SEQ_LEN (+1 target), and the k-th sequence drawn is slot (k * stride) mod n with stride coprime to n,
-    so every slot is visited once per cycle of n and the order mixes shards. Deterministic: the same on every rank and
-    for every world size. On the 1,500-step proxy benchmark (2.5 passes over 80M tokens) it scored 0.0131 val_bpb better
-    than sequential, 2 seeds each (1.41475 vs 1.42781, std 0.0010); artifacts came out 0.1-0.2 MB larger."""
+    """Sequence sampling over all train shards (the later records' loader): the k-th sequence is slot (k * stride) mod
+    n of the n TRAIN_SEQ_LEN slots, stride coprime to n: each slot once per cycle, shards mixed, the same for every
+    world size. 0.0131 better than sequential on the 1,500-step proxy benchmark (2.5 passes over its 80M tokens)."""
 
     def __init__(self, files: list[str], vocab_size: int, seq_len: int):
         self.shards = [open_shard(f, vocab_size) for f in files]
@@ -994,8 +956,7 @@ class CoprimeSampler:
 
 
 class SequentialSampler:
-    """The reference's order: the shards read front to back, wrapping around, one contiguous chunk per
-    step; its position is a small state dict."""
+    """The reference's order: the shards front to back, wrapping around, one contiguous chunk per step."""
 
     def __init__(self, files: list[str], vocab_size: int, seq_len: int):
         self.files, self.vocab_size, self.seq_len = files, vocab_size, seq_len
@@ -1011,8 +972,7 @@ class SequentialSampler:
         self.file_idx, self.pos = s["file_idx"], s["pos"]
 
     def take_sequences(self, count: int) -> np.ndarray:
-        """count * T + 1 tokens (inputs and shifted targets) as count sequences of T + 1; the stream advances
-        by count * T, so the last token is read again as the first of the next batch."""
+        """count sequences of T + 1 tokens from count * T + 1; the last token is read again by the next batch."""
         T = self.seq_len
         parts, need = [], count * T + 1
         while need:
@@ -1028,12 +988,10 @@ class SequentialSampler:
 
 
 class TrainLoader:
-    """Global batch = TRAIN_BATCH_TOKENS / TRAIN_SEQ_LEN sequences (TRAIN_SAMPLING order); micro-step m of rank r takes
-    sequences [(m * world + r) * s, ...+ s). The set of sequences per step is therefore independent of world size and
-    accumulation split (the reference's per-rank spans were not). Prefetch one step ahead: next_batch() hands out the
-    batch prefetch() queued (or loads it then), prefetch() assembles the next one on the host into one of two pinned
-    buffers and copies it on a side stream while the GPU works. The host work (3-4 ms a record step) runs in the
-    caller's thread, hidden by the GPU's queue (a worker thread stalled the host 55 ms a step)."""
+    """Global batch = TRAIN_BATCH_TOKENS / TRAIN_SEQ_LEN sequences; micro-step m of rank r takes sequences
+    [(m * world + r) * s, ... + s): a step's sequences do not depend on world size or accumulation. prefetch()
+    assembles the next batch on the host (3-4 ms a record step, in the caller's thread: a worker thread stalled the
+    host 55 ms) into one of two pinned buffers and copies it on a side stream while the GPU works."""
 
     def __init__(self, files: list[str], cfg: Hyperparameters, rt: Runtime):
         sampler = CoprimeSampler if cfg.train_sampling == "coprime" else SequentialSampler
@@ -1078,9 +1036,8 @@ class TrainLoader:
         return state, x, y, done
 
     def prefetch(self) -> None:
-        """Assemble and queue the copy of the next step's batch (a no-op if it is already queued). The
-        trainer calls it after launching a step's micro-batches: with the wallclock cap every iteration
-        starts with a host sync, and prefetching inside next_batch left the GPU idle for this host work."""
+        """Queue the next step's batch (once), after a step's micro-batches are launched: prefetching inside next_batch
+        left the GPU idle for the host work, as every capped iteration starts with a host sync."""
         if self.ahead is None:
             try:
                 self.ahead = self._load()
@@ -1112,25 +1069,22 @@ class TrainLoader:
         self.sampler.load_state_dict(copy.deepcopy(s))
 
 
-# =============================================================================================
-# Model: banked GPT on plain PyTorch ops (the Kernels section below swaps in Triton versions)
-# =============================================================================================
+# ===== Model: banked GPT on plain PyTorch ops (the Kernels section below swaps in Triton versions) =====
 
 def rms_norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
 
 def rope_tables(seq_len: int, rope_dims: int, base: float) -> tuple[Tensor, Tensor]:
-    """cos and sin (seq_len, rope_dims/2) in fp32, made once: computed inside the compiled kernels
-    their pow/sin/cos cost more than the loads they replace."""
+    """cos and sin (seq_len, rope_dims/2) in fp32, made once (in the kernels pow/sin/cos cost more than loads)."""
     inv_freq = 1.0 / base ** (torch.arange(0, rope_dims, 2, dtype=torch.float32) / rope_dims)
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
     return freqs.cos(), freqs.sin()
 
 
 def qk_norm_rope_reference(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_H: Tensor | None) -> Tensor:
-    """RMSNorm over each head, partial RoPE (the first 2F channels rotated as half-split pairs, the rest passed
-    through), per-head gain: the PyTorch ops the Triton kernel fuses."""
+    """RMSNorm per head, partial RoPE (the first 2F channels as half-split pairs), per-head gain: what the kernel
+    fuses."""
     y, T, half = rms_norm(x_BTHD), x_BTHD.size(1), cos_TF.size(1)
     if half > 0:
         cos, sin = (t[:T, None, :].to(y.dtype) for t in (cos_TF, sin_TF))
@@ -1138,16 +1092,16 @@ def qk_norm_rope_reference(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_
         y = torch.cat((y1 * cos + y2 * sin, y2 * cos - y1 * sin, rest), dim=-1)
     return y if gain_H is None else y * gain_H.to(y.dtype)[:, None]
 
+
 def document_mask(ids_BT: Tensor) -> Tensor:
-    """(B, 1, T, T) attention mask: causal, and only within a document (a BOS to the next; a row's first
-    tokens, before its first BOS, are one more)."""
+    """(B, 1, T, T) attention mask: causal, within a document (a BOS to the next; a row's start is one more)."""
     docs, T = torch.cumsum(ids_BT == BOS_ID, dim=1), ids_BT.size(1)
     return ((docs[:, :, None] == docs[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=ids_BT.device).tril())[:, None]
 
 
 def document_segments(ids_BT: Tensor) -> Tensor:
-    """varlen's cu_seqlens (int32) of the flattened rows: row starts and BOS, then B*T (empty sequences) up to a fixed
-    B + B*T/DOC_BOUNDARY_TOKENS + 1 entries, one compiled shape (TrainLoader refuses batches with more documents)."""
+    """varlen's cu_seqlens (int32) of the flattened rows: row starts and BOS, padded with B*T to a fixed
+    B + B*T/DOC_BOUNDARY_TOKENS + 1 entries, one compiled shape (TrainLoader refuses more documents)."""
     (B, T), dev = ids_BT.shape, ids_BT.device
     starts = (ids_BT == BOS_ID) | (torch.arange(T, device=dev) == 0)
     nth = torch.arange(1, B + B * T // DOC_BOUNDARY_TOKENS + 1, device=dev)
@@ -1155,8 +1109,8 @@ def document_segments(ids_BT: Tensor) -> Tensor:
 
 
 def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str, mask: Tensor | None = None) -> Tensor:
-    """Causal attention; with a document_mask, only within each document (SDPA with that mask), or with varlen's
-    document_segments (torch 2.11's varlen_attn: causal as window (-1, 0), no GQA, so K/V repeated)."""
+    """Causal attention; with a document_mask (SDPA) or varlen's document_segments (torch 2.11's varlen_attn:
+    no GQA, so K/V repeated), within each document."""
     if mask is not None and backend == "varlen":
         from torch.nn.attention.varlen import varlen_attn
         (B, T, H, D), K = q_BTHD.shape, k_BTKD.size(2)
@@ -1174,8 +1128,8 @@ def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str, mask
 
 
 def exclusive_self_attention_reference(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
-    """XSA (PR #265 lineage): remove from each head's output its component along its own token's
-    normalised value vector, so attention carries context rather than the token itself."""
+    """XSA (PR #265 lineage): each head's output minus its component along its own token's normalised value, so
+    attention carries context rather than the token itself."""
     (B, T, H, D), K = y_BTHD.shape, v_BTKD.size(2)
     y = y_BTHD.reshape(B, T, K, H // K, D)
     vn = F.normalize(v_BTKD, dim=-1).unsqueeze(-2)
@@ -1187,7 +1141,7 @@ def softcap(logits: Tensor, cap: float) -> Tensor:
 
 
 def cross_entropy(logits_NV: Tensor, targets_N: Tensor, reduction: str = "mean") -> Tensor:
-    """The torch path's loss, for training, scoring and TTT alike: cross entropy in fp32 of the (capped) logits."""
+    """Cross entropy in fp32 of the (capped) logits: the torch path's training loss, and every scorer's."""
     return F.cross_entropy(logits_NV.float(), targets_N, reduction=reduction)
 
 
@@ -1206,9 +1160,8 @@ class Ops:
 
 TORCH_OPS = Ops(qk_norm_rope_reference, exclusive_self_attention_reference, softcap_loss_reference)
 
-# The quantisation grid, one for late QAT and the export: per-row scale = clip / qmax, floored and stored (so
-# also applied) as fp16; codes = round(w / scale) in [-qmax, qmax]. The banks use int6 (qmax 31) with
-# INT6_SCALE_FLOOR; QAT clips each row at its max, the export searches the clip (Export).
+# The quantisation grid of late QAT and the export: per-row scale = clip / qmax, floored, stored (so applied) as
+# fp16; codes = round(w / scale) in [-qmax, qmax]. QAT clips each row at its max; the export chooses the clip.
 INT6_MAX = 31
 
 
@@ -1231,10 +1184,8 @@ def fake_quant_int6(w: Tensor, floor: float) -> Tensor:
 
 
 def bigram_hash(ids_BT: Tensor, buckets: int, isolate: bool = False) -> Tensor:
-    """BigramHash slot of each (previous, current) token pair: a multiplicative xor hash into buckets - 1 slots;
-    position 0 (no previous token) takes the last slot, and so does a BOS when documents are isolated. In int64:
-    int32 wrapped past id 59,138 (36313 * id), and below that the two agree, so artifacts trained before keep
-    their meaning."""
+    """BigramHash slot of each (previous, current) pair: a multiplicative xor hash into buckets - 1 slots; position 0
+    and, isolated, a BOS take the last. In int64: int32 wrapped past id 59,138 (below, the two agree)."""
     t, mod = ids_BT.long(), buckets - 1
     h = torch.bitwise_xor(36313 * t[:, 1:], 27191 * t[:, :-1]) % mod
     if isolate:
@@ -1256,11 +1207,9 @@ class Block(nn.Module):
 
 
 class DocLoRA(nn.Module):
-    """TTT_MODE=lora's adapters (the 04-10..04-27 records' LoRA TTT). Row b holds one document of a batch: rank-r
-    pairs (A: r x in, B: out x r) on q, k, v, o and the MLP of every layer and on the head, each adding ALPHA/r * B A x
-    (x: the block's normed input, or the final hidden state). reset() starts a batch: B = 0 (the model as it was), A
-    one fixed U(+-1/sqrt(in)) draw in every row. A call's rows are the first rows of the adapters (the documents still
-    going), so a document's result depends on its own tokens only, whichever row it lands in."""
+    """TTT_MODE=lora's adapters (the 04-10..04-27 records' LoRA TTT). Row b holds one document: rank-r pairs on q, k,
+    v, o and the MLP of every layer and on the head, each adding ALPHA/r * B A x. reset(): B = 0 (the model as it
+    was), A one fixed U(+-1/sqrt(in)) draw. A call uses the first rows, so a document's result is its own."""
 
     def __init__(self, cfg: Hyperparameters, rows: int, device: torch.device):
         super().__init__()
@@ -1282,8 +1231,8 @@ class DocLoRA(nn.Module):
             b.zero_()
 
     def deltas(self, names: tuple[str, ...], i: int, x_BTI: Tensor) -> list[Tensor]:
-        """The adapters `names` of layer i, which all read x: their A rows stacked, so one bmm projects x down (q, k,
-        v and o at once: on one H100 the proxy's lora loop 34.4 -> 30.9 s, its compile 126 -> 106 s)."""
+        """The adapters `names` of layer i, which all read x, with one bmm down (q, k, v, o at once: the proxy's lora
+        loop 34.4 -> 30.9 s on one H100)."""
         js, B = [self.index[name, i] for name in names], x_BTI.size(0)
         z = x_BTI @ torch.cat([self.A[j][:B] for j in js], 1).mT.to(x_BTI.dtype)
         return [zj @ (self.scale * self.B[j][:B].mT).to(x_BTI.dtype) for zj, j in zip(z.chunk(len(js), -1), js)]
@@ -1370,9 +1319,8 @@ class GPT(nn.Module):
         return x
 
     def hidden(self, ids_BT: Tensor, lora: DocLoRA | None = None, one_doc: bool = False) -> Tensor:
-        """one_doc: each row holds one document up to its last target that counts (the scorer's rows under
-        DOC_ISOLATION: a window starts inside its document); causal attention then keeps documents apart
-        without the mask, so any attention backend scores isolated, and what follows in a row changes nothing."""
+        """one_doc: each row holds one document up to its last scored target (the scorer's rows under DOC_ISOLATION),
+        so causal attention isolates it without the mask, on any backend."""
         cfg, L = self.cfg, self.cfg.num_layers
         x = self.embed(ids_BT)
         x0, skips = x, []
@@ -1474,23 +1422,19 @@ class GPT(nn.Module):
         return self.ops.loss(self.raw_logits(ids_BT).flatten(0, 1), targets_BT.flatten(), self.cfg.logit_softcap)
 
 
-# =============================================================================================
-# Kernels: the Ops above as Triton kernels (optional; KERNELS=triton, the default on CUDA)
-# =============================================================================================
-# Each op is a torch.library.triton_op with its backward registered: inductor traces into it and launches
-# the kernels from its own code (no dispatcher or Python launcher per call). On the CPU they run in Triton's
-# interpreter (TRITON_INTERPRET=1), which is how the tests compare them with the PyTorch ops.
+# ===== Kernels: the Ops above as Triton kernels (optional; KERNELS=triton, the default on CUDA) =====
+# Each op is a torch.library.triton_op with its backward registered: inductor launches the kernels from its own
+# code. On the CPU they run in Triton's interpreter (TRITON_INTERPRET=1): the tests compare them with the torch ops.
 
-# q/k RMSNorm + RoPE + gain. Inductor's fusion stored the pre-gain tensor for the gain's gradient and read
-# it back: 39 ms of a 566 ms record step (H200); these kernels take 19.7 ms and 1.1 GB less peak memory.
-# Rows are (token, head) pairs; the forward reads x once, the backward recomputes the norm and writes dx and
-# one gain-gradient partial per row. Math in fp32, one bf16 rounding. (Load patterns: records/PERFORMANCE.md.)
+# q/k RMSNorm + RoPE + gain: inductor's fusion took 39 ms of a 566 ms record step (H200), these 19.7 ms and 1.1 GB
+# less peak memory. Rows are (token, head) pairs; the backward recomputes the norm and writes dx and one
+# gain-gradient partial per row. Math in fp32, one bf16 rounding.
 if triton is not None:
     @triton.jit
     def _qk_cols(rows, n_rows, T, H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, BF: tl.constexpr,
                  BP: tl.constexpr):
-        """Column indices and masks of a row's three parts: the rotated halves [0, F) and [F, 2F), and
-        the pass-through rest [2F, D) (as offsets from 2F); each row's head and its rotation table offsets."""
+        """Columns and masks of a row's rotated halves [0, F), [F, 2F) and its rest [2F, D); its head and table
+        offsets."""
         rmask = rows < n_rows
         f, p = tl.arange(0, BF), tl.arange(0, BP)
         fmask = rmask[:, None] & (f < F)[None, :]
@@ -1626,17 +1570,14 @@ def _qk_backward(ctx, dy):
 qk_norm_rope_triton.register_autograd(_qk_backward, setup_context=_save_inputs)
 
 
-# XSA. Inductor's fusion kept the normalised v in fp32 for the backward and took 3 + 4 kernels: about 12 ms
-# of a record step for bytes that need 5; these kernels made the step 7.0 ms faster. A program takes BR
-# (token, kv head) rows: the kv head's v row and the G = H/K query heads that share it. Math in fp32.
+# XSA: inductor's fusion took about 12 ms of a record step (7 kernels, the normalised v kept in fp32); these made
+# the step 7.0 ms faster. A program takes BR (token, kv head) rows: a v row and its G = H/K query heads. fp32 math.
 if triton is not None:
     @triton.jit
     def _xsa_rows(r, n_rows, v_stride, K: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BG: tl.constexpr,
                   BD: tl.constexpr):
-        """Offsets and masks of rows r = (token, kv head): v's (BR, BD), and y's (BR, BG, BD) for the G
-        query heads sharing the kv head. Pointers stay out of it: with them passed in (one unused), torch
-        2.11's mutation analysis took y and v for written (not so for _qk_load's), and compile copied the
-        whole q|k|v projection around each call; test_inductor_sees_each_kernel_write_only_its_outputs."""
+        """Offsets and masks of rows r = (token, kv head): v's (BR, BD), y's (BR, BG, BD). No pointers in here: with
+        them, torch 2.11 took y and v for written and copied the q|k|v projection around each call."""
         d = tl.arange(0, BD)
         v_mask = (r < n_rows)[:, None] & (d < D)[None, :]
         g = tl.arange(0, BG)
@@ -1718,10 +1659,8 @@ def _xsa_backward(ctx, dout):
 exclusive_self_attention_triton.register_autograd(_xsa_backward, setup_context=_save_inputs)
 
 
-# Soft-capped cross entropy. Inductor's fusion ran at 1.3 and 1.8 TB/s (159 + 223 us per record micro-batch):
-# libdevice tanh and exp are long instruction sequences. Here tanh is 1 - 2 / (2^(2x log2(e) / cap) + 1)
-# (error ~1e-7, far below bf16 rounding); the forward keeps each row's log-sum-exp for the backward. A
-# program takes one row; math in fp32 (the torch path rounds the capped logits to bf16), 64-bit offsets.
+# Soft-capped cross entropy: inductor's fusion ran at 1.3-1.8 TB/s (libdevice tanh and exp are long); here tanh is
+# 1 - 2 / (2^(2x log2(e) / cap) + 1) (error ~1e-7). One row per program, fp32, the forward keeps its log-sum-exp.
 # Targets are not range-checked here: open_shard checks every token against VOCAB_SIZE.
 if triton is not None:
     @triton.jit
@@ -1810,8 +1749,7 @@ _softcap_ce.register_autograd(_ce_backward, setup_context=_ce_setup)
 
 
 def softcap_cross_entropy(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Tensor:
-    """Per-row cross entropy (fp32) of cap * tanh(logits / cap), or of the logits when cap is 0: GPT.logits and
-    F.cross_entropy in one Triton kernel each way. Every target must be a class index (no ignore_index)."""
+    """Per-row fp32 cross entropy of cap * tanh(logits / cap) (cap 0: of the logits), one kernel each way."""
     return _softcap_ce(logits_NV, targets_N, cap)[0]
 
 
@@ -1826,8 +1764,8 @@ TRITON_OPS = Ops(qk_norm_rope_triton, exclusive_self_attention_triton, softcap_l
 
 
 def build_model(cfg: Hyperparameters, rt: Runtime) -> GPT:
-    """The one constructor for training and scoring models. Banks, linears and control tensors are
-    fp32; on CUDA the embedding tables are bf16 parameters as in the reference."""
+    """The one constructor of training and scoring models: fp32, but for bf16 embedding tables on CUDA (the
+    reference's)."""
     model = GPT(cfg, rt.attn_backend, TRITON_OPS if rt.kernels == "triton" else TORCH_OPS).to(rt.device)
     for name, p in model.named_parameters():
         if name in EMBED_TABLES and rt.device.type == "cuda":
@@ -1835,12 +1773,11 @@ def build_model(cfg: Hyperparameters, rt: Runtime) -> GPT:
     return model
 
 
-# =============================================================================================
-# Scoring: exact sliding-window val_bpb
-# =============================================================================================
+# ===== Scoring: exact sliding-window val_bpb =====
 
 def build_byte_luts(sp, vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token UTF-8 byte counts for val_bpb (REFERENCE.md "val_bpb, exactly")."""
+    """Per-token UTF-8 bytes of val_bpb (the challenge's rule): base bytes, a leading-space flag (a byte unless the
+    token follows a boundary token), boundary flags."""
     n = int(sp.vocab_size())
     if n != vocab_size:
         raise ValueError(f"tokenizer vocabulary {n} != VOCAB_SIZE {vocab_size}")
@@ -1858,9 +1795,8 @@ def build_byte_luts(sp, vocab_size: int, device: torch.device) -> tuple[Tensor, 
 
 
 def sliding_windows(num_targets: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
-    """Windows (start, first scored target, end) over targets [0, num_targets): window k starts at
-    k*stride and scores only its last `stride` targets (the first scores all), the last window stops
-    at the end. Every target is scored exactly once (the reference re-scored the tail up to 32x)."""
+    """Windows (start, first scored target, end): window k starts at k*stride and scores its last `stride` targets
+    (the first all); every target exactly once (the reference re-scored the tail up to 32x)."""
     out = []
     for start in range(0, num_targets, stride):
         lo = start + seq_len - stride if start else 0
@@ -1888,8 +1824,8 @@ def loss_and_bpb(sums: list[float]) -> tuple[float, float]:
 
 
 class Scorer:
-    """Scores a model on the validation tokens: windows batched, split across ranks, sums in float64. Every scorer
-    (plain and sliding windows, per document, both TTT modes) runs through loop() and scores rows with rows_nll()."""
+    """Scores a model on the val tokens: windows batched, split across ranks, float64 sums. Every scorer (sliding,
+    per document, both TTT modes) runs through loop() and scores rows with rows_nll()."""
 
     def __init__(self, cfg: Hyperparameters, rt: Runtime, tokens: Tensor, luts, log: Logger | None = None):
         self.cfg, self.rt, self.luts, self.tokens = cfg, rt, luts, tokens.to(rt.device)
@@ -1897,15 +1833,13 @@ class Scorer:
         self.batch_seqs = max(1, cfg.val_batch_size // (rt.world_size * rt.grad_accum_steps * cfg.eval_seq_len))
 
     def windows(self, stride: int, per_doc: bool = False) -> Tensor:
-        """sliding_windows over the targets; with DOC_ISOLATION (or per_doc) over each document's own targets (BOS to
-        BOS): no window starts before its document, and a short document is one window, not EVAL_SEQ_LEN / stride."""
+        """sliding_windows over the targets, with DOC_ISOLATION (or per_doc) over each document's own (BOS to BOS)."""
         n, T, starts = self.tokens.numel() - 1, self.cfg.eval_seq_len, self.doc_starts(per_doc)
         wins = [(s + a, s + b, s + c) for s, e in zip(starts, starts[1:] + [n]) for a, b, c in sliding_windows(e - s, T, stride)]
         return torch.tensor(wins, dtype=torch.int64, device=self.rt.device).view(-1, 3)
 
     def doc_starts(self, per_doc: bool = False) -> list[int]:
-        """Each document's first target (its BOS) with DOC_ISOLATION or per_doc (False never undoes DOC_ISOLATION),
-        else [0]: one stream."""
+        """Each document's first target (its BOS) with DOC_ISOLATION or per_doc, else [0]: one stream."""
         n, per_doc = self.tokens.numel() - 1, per_doc or self.cfg.doc_isolation
         return sorted({0} | set((self.tokens[:n] == BOS_ID).nonzero().flatten().tolist())) if per_doc else [0]
 
@@ -1919,15 +1853,15 @@ class Scorer:
             fn(torch.zeros(self.batch_seqs, self.cfg.eval_seq_len, dtype=torch.int64, device=self.rt.device))
 
     def rows(self, starts_B: Tensor, lo_B: Tensor, hi_B: Tensor, length: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Inputs and targets of rows of `length` tokens from starts_B, and the mask of the targets at
-        offsets [lo_B, hi_B) of each row (reads past the last token are clamped and masked out)."""
+        """Inputs, targets and the mask of targets [lo_B, hi_B) of rows of `length` tokens from starts_B (reads past
+        the end clamped, masked out)."""
         pos = torch.arange(length, device=starts_B.device)
         idx = (starts_B[:, None] + pos).clamp(max=self.tokens.numel() - 2)
         return self.tokens[idx], self.tokens[idx + 1], (pos >= lo_B[:, None]) & (pos < hi_B[:, None])
 
     def rows_nll(self, fn: Callable, w_B3: Tensor, length: int, *extra) -> tuple[Tensor, Tensor, tuple]:
         """(logits, nll (B, length), rows (x, y, mask)) of windows w (start, first scored target, end) as rows of
-        `length` tokens: fn(x, *extra) scores the targets [first, end) of each."""
+        `length` tokens, scored by fn(x, *extra)."""
         rows = self.rows(w_B3[:, 0], w_B3[:, 1] - w_B3[:, 0], w_B3[:, 2] - w_B3[:, 0], length)
         with autocast(self.rt.device):
             logits = fn(rows[0], *extra)
@@ -1935,8 +1869,7 @@ class Scorer:
 
     @torch.inference_mode()
     def score_windows(self, fn: Callable, wins: Tensor) -> Tensor:
-        """This rank's contiguous share of `wins` (rows of sliding_windows); returns its (nll, tokens,
-        bytes) float64 sums, not yet reduced over ranks."""
+        """This rank's share of `wins`: its (nll, tokens, bytes) float64 sums, not yet reduced over ranks."""
         rt, B = self.rt, self.batch_seqs
         mine = wins[wins.size(0) * rt.rank // rt.world_size: wins.size(0) * (rt.rank + 1) // rt.world_size]
         sums = torch.zeros(3, dtype=torch.float64, device=rt.device)  # nll, tokens, bytes
@@ -1954,9 +1887,8 @@ class Scorer:
 
     def loop(self, warmup: Callable[[], None], steps: list, step: Callable[..., Tensor], progress: str = "",
              done: list[int] | None = None, header: str = "") -> Score:
-        """The one scoring loop: warmup() (the compiles) before the timer, then step(s) for each of `steps`, each
-        returning this rank's (nll, tokens, bytes) sums; a `progress:done/total` line (done: per step, default
-        1, 2, ...) eight times over; the sums reduced over ranks once."""
+        """The one scoring loop: warmup() (the compiles) before the timer; step(s) for each of `steps` returns this
+        rank's sums; a `progress:done/total` line eight times over (done: per step); the sums reduced once."""
         rt, log, t0 = self.rt, self.log, now_ms(self.rt.device)
         warmup()
         compile_ms, done = now_ms(rt.device) - t0, done or list(range(1, len(steps) + 1))
@@ -1982,17 +1914,13 @@ class Scorer:
         return score
 
 
-# =============================================================================================
-# Legal test-time training: score a chunk, then train on it
-# =============================================================================================
+# ===== Legal test-time training: score a chunk, then train on it =====
 
 def sgd_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> Score:
-    """TTT_MODE=sgd, score-first test-time training (the later records' legal TTT). The val targets are cut into
-    TTT_CHUNK_TOKENS chunks; each chunk is first scored by the sliding-window scorer in inference mode
-    (a window belongs to the chunk of its first scored target), then trained on with SGD + momentum
-    (cosine lr over chunks, global-norm clip, gradients averaged over ranks). A token's score thus
-    depends only on the artifact and earlier tokens; nothing is re-scored; the last chunk is never
-    trained on. TTT_FREEZE_BLOCKS freezes the first blocks (their bank slices, control tensors and lane scalars)."""
+    """TTT_MODE=sgd, score-first (the later records' legal TTT): each TTT_CHUNK_TOKENS chunk of the val targets is
+    scored by the sliding windows whose first target it holds, then trained on with SGD + momentum (cosine lr over
+    chunks, global-norm clip), the last one never. A score depends on the artifact and earlier tokens only.
+    TTT_FREEZE_BLOCKS freezes the first blocks (bank slices, control tensors, lane scalars)."""
     T, C, L = cfg.train_seq_len, cfg.ttt_chunk_tokens, cfg.num_layers
     n_targets = scorer.tokens.numel() - 1
     n_chunks = -(-n_targets // C)
@@ -2068,15 +1996,11 @@ def frozen_weights(model: nn.Module):
 
 def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
              probe: dict[str, Tensor] | None = None) -> Score:
-    """TTT_MODE=lora, score-first per document. The scorer's per-document sliding windows (those
-    of DOC_ISOLATION, whatever it is) are cut into chunks of TTT_CHUNK_SIZE scored targets, each keeping its
-    window's start, so a chunk's targets see exactly the context they have in the per-document sliding score.
-    Documents, longest first (every WORLD_SIZE-th on this rank), run in lockstep batches of TTT_BATCH_SIZE (the
-    records' scheduler): step c scores chunk c of every document still going, then takes TTT_GRAD_STEPS AdamW steps
-    on the sum of each row's mean chunk NLL (a document's last chunk is not trained on). Adapters and AdamW restart
-    with each batch, whose documents all start together and step together, so a document's score is what it would
-    get alone. probe (tests): its "nll" and "lse" receive each target's NLL and logsumexp (the normaliser: what the
-    model knew before the target, updates included)."""
+    """TTT_MODE=lora, score-first per document: the per-document sliding windows are cut into chunks of
+    TTT_CHUNK_SIZE targets that keep their window's context. Documents, longest first, run in lockstep batches of
+    TTT_BATCH_SIZE (the records' scheduler): step c scores chunk c of every document still going, then takes
+    TTT_GRAD_STEPS AdamW steps on each row's mean chunk NLL (not on a last chunk). Adapters and AdamW restart with each
+    batch, so a document scores what it would alone. probe (tests) receives each target's NLL and logsumexp."""
     T, C, R = cfg.eval_seq_len, cfg.ttt_chunk_size, cfg.ttt_batch_size
     starts = scorer.doc_starts(per_doc=True)  # an adapter learns one document: its windows are the document's own
     docs: list[list[tuple[int, int, int]]] = [[] for _ in starts]
@@ -2109,9 +2033,8 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
                                 weight_decay=cfg.ttt_weight_decay, fused=rt.device.type == "cuda")
         for c in range(len(batch[0])):
             going = [d[c] for d in batch if c < len(d)]  # the batch's first rows: it is sorted by length
-            # rows rounded up to 8 and as long as the longest window needs (a power of two from max(T/16, 8), at
-            # most T; below 8 dynamo would specialise): a step near the end of a batch, or of short documents, costs
-            # what it holds; causal attention keeps it exact
+            # rows rounded up to 8, as long as the longest window needs (a power of two, max(T/16, 8)..T; below 8
+            # dynamo would specialise): a step costs what it holds; causal attention keeps it exact
             n = min(R, -(-len(going) // 8) * 8)
             length = min(T, max(T // 16, 8, 1 << (max(hi - s for s, _, hi in going) - 1).bit_length()))
             w = plan[c, :n]
@@ -2137,9 +2060,7 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
                            f"rows:{R}")
 
 
-# =============================================================================================
-# Export: int6 banks, int8 tables, fp16 rest on the grid of the Model section; no pickle; compressed
-# =============================================================================================
+# ===== Export: int6 banks, int8 tables, fp16 rest on the grid of the Model section; no pickle; compressed =====
 
 CLIP_QUANTILES = (0.999, 0.9995, 0.9999, 0.99999, 1.0)  # per-row clip candidates, best MSE wins
 INT8_CLIP_QUANTILE = 0.9999984  # the reference's per-row clip for int8 tables
@@ -2172,8 +2093,8 @@ def rebank(tensors: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
 
 
 def quantize_rows(w: Tensor, qmax: int, quantiles: tuple[float, ...], floor: float) -> tuple[Tensor, Tensor]:
-    """Symmetric per-row quantisation of a 2-D tensor; of the clip candidates (a quantile of |w| per
-    row) the one with the lowest whole-matrix MSE wins. Returns (int8 codes, fp16 row scales)."""
+    """Symmetric per-row quantisation: of the clip candidates (quantiles of |w| per row) the lowest whole-matrix MSE
+    wins. Returns (int8 codes, fp16 row scales)."""
     w = w.float()
     a = w.abs()
     inner = [qt for qt in quantiles if qt < 1.0]  # one sort of |w| serves every quantile
@@ -2193,12 +2114,10 @@ GPTQ_BLOCK, GPTQ_DAMP = 128, 0.01  # columns per lazy-update block; damping as a
 
 
 def gptq_codes(w_RC: Tensor, h_CC: Tensor, scale_R: Tensor, qmax: int) -> Tensor:
-    """GPTQ (Frantar et al. 2022; the records' full-Hessian form): codes of w on the fixed per-row grid scale_R
-    that keep the layer's output on the calibration inputs (H = X^T X) close. Columns go in order of
-    decreasing H_jj; each is rounded, and its error, weighted by the Cholesky factor U of H^-1, is pushed onto
-    the columns not yet rounded (within a block at once, to later blocks lazily). Columns no input reaches
-    (H_jj = 0) are zero. In float64, which costs little here (a 512x1536 matrix: 0.30 s against 0.24 in fp32,
-    2 CPU cores); the damping grows tenfold, twice at most, only if H is still singular at that precision."""
+    """GPTQ (Frantar et al. 2022; the records' full-Hessian form): codes of w on the fixed grid scale_R that keep the
+    output on the calibration inputs (H = X^T X) close. Columns in order of decreasing H_jj; each rounding error,
+    weighted by the Cholesky factor U of H^-1, goes onto the columns not yet rounded (lazily across blocks). Unreached
+    columns (H_jj = 0) are zero. float64 (0.30 s for 512x1536, fp32 0.24); the damping grows only if H is singular."""
     w, h = w_RC.double().clone(), h_CC.double().clone()
     dead = h.diagonal() == 0
     h[dead, dead], w[:, dead] = 1.0, 0.0
@@ -2225,16 +2144,15 @@ def gptq_codes(w_RC: Tensor, h_CC: Tensor, scale_R: Tensor, qmax: int) -> Tensor
 
 
 def clip_sigmas(cfg: Hyperparameters, matrix: str) -> float:
-    """The SD clip k of a kind of bank matrix (MATRICES' names); 0 = the clip search. The MLP is the more
-    sensitive per byte: on the PQB weights with GPTQ, attention at k = 7 and the MLP at 5 coded 39 KB smaller
-    and scored 0.00011 better than both at 6, the other way round 60 KB larger and 0.00018 worse."""
+    """The SD clip k of a kind of bank matrix (0 = the clip search). Per kind, as the MLP is the more sensitive per
+    byte: PQB weights, GPTQ, attention 7 and MLP 5 coded 39 KB smaller and 0.00011 better than both at 6."""
     own = cfg.mlp_clip_sigmas if matrix.startswith("mlp.") else cfg.attn_clip_sigmas
     return own if own > 0 else cfg.matrix_clip_sigmas
 
 
 def quantize_matrix(w_RC: Tensor, sigmas: float, floor: float, h_CC: Tensor | None) -> tuple[Tensor, Tensor]:
-    """A bank matrix as int6 codes and fp16 row scales: the scale from its SD clip k (`sigmas`, the records' rule)
-    or, at 0, the clip search; the codes rounded to nearest, or GPTQ'd when calibration gave its H."""
+    """A bank matrix as int6 codes and fp16 row scales: the scale by SD clip k (`sigmas`, the records' rule) or the
+    clip search (0); the codes rounded, or GPTQ'd given its H."""
     if sigmas > 0:
         clip = sigmas * w_RC.std(dim=1)
         scale = grid_scale(clip, INT6_MAX, floor)
@@ -2256,8 +2174,8 @@ def storage(name: str, t: Tensor, banked: dict) -> str:
 
 
 def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dict | None = None) -> dict[str, Tensor]:
-    """The artifact's tensors: bank matrices int6 (quantize_matrix; `hessians` from calibrate turn GPTQ on, for
-    the output head too), the big tables EMBED_BITS, the rest fp16. On the CPU: the same bytes from any device."""
+    """The artifact's tensors: bank matrices int6 (`hessians`: GPTQ, the output head too), the big tables
+    EMBED_BITS, the rest fp16. On the CPU: the same bytes from any device."""
     out, banked = {}, bank_matrix_names(cfg.num_layers)
     for name, t in unbank(state, cfg.num_layers).items():
         t, kind = t.detach().float().cpu(), storage(name, t, banked)
@@ -2275,11 +2193,9 @@ def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dic
     return out
 
 
-# What the default coder (auto: rANS) spent per stored value on the PQB artifact (seed 1337, 1,500 steps, clip
-# search; 14,797,155 B): 4.245 bits an int6 code, 7.200 an int8 code, and 259 KB of side data (124 K fp16 values,
-# 43 K row scales, the header, xz'd), taken as 1.55 B per fp16 value or scale. With SD clip (k: PREDICT_SD_BITS,
-# the same weights) the int6 code's cost is not log2(31 / k) + a constant: INT6_SCALE_FLOOR holds 49% of the
-# rows at k = 5, 7% at 12.85. xz, zstd-22 and zstd-3 made the clip-search payload 6.0%, 10.8% and 8.1% larger.
+# What rANS spent per stored value on the PQB artifact (seed 1337, clip search; 14,797,155 B): 4.245 bits an int6
+# code, 7.200 an int8 code, 1.55 B per fp16 value or row scale (the side data). SD clip: bits by k measured on the
+# same weights (INT6_SCALE_FLOOR holds 49% of the rows at k = 5, 7% at 12.85); zstd-3 made the payload 8.1% larger.
 PREDICT_BITS, PREDICT_SIDE_BYTES = {"q6": 4.245, "q8": 7.200}, 1.55
 PREDICT_SD_BITS = ((5, 7, 9, 12.85, 16), (4.148, 3.890, 3.612, 3.142, 2.852))
 PREDICT_CODER = {"rans": 1.0, "fast": 1.081}
@@ -2292,8 +2208,7 @@ def sd_clip_bits(k: float) -> float:
 
 
 def predict_artifact_bytes(cfg: Hyperparameters) -> int:
-    """The artifact's size for these settings before training, from the shapes (a model on the meta device) and
-    PREDICT_*; trained weights of other runs spread differently, so it is an estimate (the log has both)."""
+    """The artifact's size for these settings, from the shapes (a meta-device model) and PREDICT_*: an estimate."""
     with torch.device("meta"):
         state = GPT(cfg).state_dict()
     banked, total = bank_matrix_names(cfg.num_layers), 0.0
@@ -2311,26 +2226,26 @@ def predict_artifact_bytes(cfg: Hyperparameters) -> int:
 def fit_to_limit(cfg: Hyperparameters, explicit: set[str], code_bytes: int) -> Hyperparameters:
     """AUTO_SIZE=f: the widest MLP (hidden a multiple of 64) whose predicted artifact and code fill at most f of
     the size limit; with MLP_MULT set, the largest bigram table (rows a multiple of 64) instead."""
-    field = next((f for f in ("mlp_mult", "bigram_vocab_size") if f not in explicit), None)
-    if field is None:
+    name = next((f for f in ("mlp_mult", "bigram_vocab_size") if f not in explicit), None)
+    if name is None:
         raise ValueError("AUTO_SIZE sizes MLP_MULT or BIGRAM_VOCAB_SIZE: leave one of them unset")
-    value = (lambda n: n * 64 / cfg.model_dim) if field == "mlp_mult" else (lambda n: n * 64)
+    value = (lambda n: n * 64 / cfg.model_dim) if name == "mlp_mult" else (lambda n: n * 64)
     budget = cfg.auto_size * SIZE_LIMIT_BYTES - code_bytes
-    fits = lambda n: predict_artifact_bytes(replace(cfg, **{field: value(n)})) <= budget
+    fits = lambda n: predict_artifact_bytes(replace(cfg, **{name: value(n)})) <= budget
     if not fits(1):
-        raise ValueError(f"AUTO_SIZE={cfg.auto_size}: even {field}={value(1)} is predicted over the limit")
+        raise ValueError(f"AUTO_SIZE={cfg.auto_size}: even {name}={value(1)} is predicted over the limit")
     n = 1
     while fits(n + 1):  # one step of 64 at a time (a prediction takes 18 ms): the first n + 1 over the budget
         n += 1
-    fitted = replace(cfg, **{field: value(n)})
+    fitted = replace(cfg, **{name: value(n)})
     fitted.validate()
     return fitted
 
 
 @torch.no_grad()
 def calibrate(model: GPT, loader: TrainLoader, batches: int) -> dict[tuple[str, int], Tensor]:
-    """GPTQ's H = X^T X for every bank matrix and the output head, over `batches` train micro-batches per rank
-    (the loader goes on where training stopped: never validation data), summed over ranks."""
+    """GPTQ's H = X^T X of every bank matrix and the output head over `batches` train micro-batches per rank (train
+    data only), summed over ranks."""
     was_training, tf32, model.hessians = model.training, torch.backends.cuda.matmul.allow_tf32, {}
     # X^T X in full fp32 (TF32's 10-bit products would blur H's small eigenvalues)
     model.eval()
@@ -2380,8 +2295,8 @@ def _nbytes(dtype: str, shape: list[int]) -> int:
 
 
 def pack_tensors(tensors: dict[str, Tensor], cfg: Hyperparameters, tokenizer: str = "") -> bytes:
-    """Compact container: magic, u32 header length, JSON {"settings": the MODEL_SETTINGS, "tokenizer_sha256": the
-    tokenizer the model was trained with, "tensors": [[name, dtype, shape], ...]}, raw data."""
+    """The container: magic, u32 header length, JSON {"settings": the MODEL_SETTINGS, "tokenizer_sha256",
+    "tensors": [[name, dtype, shape], ...]}, raw data."""
     header = json.dumps({"settings": {n: getattr(cfg, n) for n in MODEL_SETTINGS},
                          "tokenizer_sha256": tokenizer, "tensors":
                          [[k, str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in tensors.items()]},
@@ -2391,7 +2306,7 @@ def pack_tensors(tensors: dict[str, Tensor], cfg: Hyperparameters, tokenizer: st
 
 
 def unpack_tensors(buf: bytes) -> tuple[dict, dict[str, Tensor]]:
-    """(its header: the settings the artifact's model was made with and its tokenizer's sha256, its tensors)."""
+    """(header: the model's settings and its tokenizer's sha256, tensors)."""
     if buf[:4] != PAYLOAD_MAGIC or len(buf) < 8:
         raise ValueError("artifact payload is corrupt (bad magic), or it was written by an older train_gpt.py")
     (hlen,) = struct.unpack("<I", buf[4:8])
@@ -2441,9 +2356,9 @@ def _freq_cum(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def rans_encode(sym: np.ndarray, tid: np.ndarray, freq: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Interleaved rANS (Duda 2013; 32-bit states, 16-bit words): symbol i, coded with table tid[i], goes to
-    stream i % RANS_LANES, so numpy codes one symbol of every stream per step. Encodes back to front; returns
-    the streams' final states, their word counts, and all words stream by stream in decoding order."""
+    """Interleaved rANS (Duda 2013; 32-bit states, 16-bit words): symbol i, with table tid[i], goes to stream
+    i % RANS_LANES, so numpy codes a symbol of every stream per step. Back to front; returns the final states, the
+    streams' word counts, and their words in decoding order."""
     steps = -(-sym.size // RANS_LANES)
     f_all, c_all = _freq_cum(freq)
     sym_g, tid_g, live = _by_step(sym, steps), _by_step(tid, steps), _by_step(np.ones(sym.size, bool), steps)
@@ -2489,11 +2404,9 @@ def _tensor_layout(payload: bytes) -> tuple[int, list[tuple[bool, int, list[int]
                       for _, dtype, shape in json.loads(payload[8: 8 + hlen])["tensors"]]
 
 
-# A code's spread is about (its row's RMS) x (its column's RMS) / (the rows' typical RMS, their logs' mean): rows
-# differ by scale, columns by their input's size. Each code tensor stores both RMS as quarter-octave logs (one int8
-# per row and column), and a code's table is chosen by that predicted spread, on a grid shared by all tensors. On the
-# PQB artifact (seed 1337) this coded 670 KB smaller than one order-0 table per tensor (14,797,155 B vs 15,467,919;
-# xz: 15,683,809); an eighth of an octave gained 13 KB more, the previous code's size in the row 6 KB.
+# A code's spread is about its row's RMS x its column's RMS / the rows' typical RMS (rows differ by scale, columns by
+# their input's size): both RMS stored as quarter-octave int8 logs, a code's table chosen by the predicted spread.
+# On the PQB artifact 670 KB smaller than one order-0 table per tensor (14,797,155 B vs 15,467,919).
 RANS_TABLES, RANS_TABLE_OFFSET = 64, 24  # table t: predicted code RMS about 2^((t - 24) / 4)
 
 
@@ -2512,9 +2425,8 @@ def rans_contexts(row_log: np.ndarray, col_log: np.ndarray) -> np.ndarray:
 
 
 def rans_compress(payload: bytes) -> bytes:
-    """COMPRESSOR=rans: the int8 tensors (every int6 and int8 code) rANS-coded, each code with the table of its
-    predicted spread (rans_contexts); the header, scales and fp16 tensors, the row and column logs, the tables and
-    the streams' states xz-coded beside them."""
+    """COMPRESSOR=rans: every int6 and int8 code rANS-coded with the table of its predicted spread; the rest (header,
+    scales, fp16 tensors, logs, tables, states) xz-coded beside."""
     start, layout = _tensor_layout(payload)
     codes, rest, logs, ctx, at = [], [], [], [], start
     for is_code, n, shape in layout:
@@ -2600,8 +2512,7 @@ def serialize(model: GPT, cfg: Hyperparameters, tokenizer: str, hessians: dict |
 
 
 def deserialize(blob: bytes) -> tuple[dict, dict[str, Tensor]]:
-    """Inverse of serialize up to the quantisation: (its header (unpack_tensors') with its "coder" and "bytes", the
-    packed tensors), which artifact_model turns into a model."""
+    """Inverse of serialize up to the quantisation: (header with "coder" and "bytes", tensors for artifact_model)."""
     header, tensors = unpack_tensors(decompress(blob))
     return dict(header, coder={v: k for k, v in COMPRESSOR_CODES.items()}[blob[4]], bytes=len(blob)), tensors
 
@@ -2632,9 +2543,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def shipped_code(source: str) -> bytes:
-    """The train_gpt.py a record ships, and what code_bytes counts: a stub that runs this source from xz + base85
-    (137 KB -> 49 KB on 2026-11-23), registered in linecache so that @triton.jit (inspect.getsource) still reads
-    it. Deterministic. Self-contained: records/package_record.py takes this function from a log's source."""
+    """The train_gpt.py a record ships (code_bytes): a stub running this source from xz + base85 (137 KB -> 49 KB),
+    registered in linecache for @triton.jit. Self-contained: records/package_record.py takes it from a log."""
     import base64
     import lzma
     packed = base64.b85encode(lzma.compress(source.encode("utf-8"), preset=9 | lzma.PRESET_EXTREME)).decode()
@@ -2643,13 +2553,11 @@ def shipped_code(source: str) -> bytes:
             'exec(compile(s,f,"exec"))\n').encode("utf-8")
 
 
-# =============================================================================================
-# Training: EMA, schedule, the step (CUDA graphs), the timed loop
-# =============================================================================================
+# ===== Training: EMA, schedule, the step (CUDA graphs), the timed loop =====
 
 CHECKPOINT_MAGIC = b"pgolf-checkpoint-2\n"  # then the sha256 of the payload (32 bytes), then torch.save's bytes
-# a step starts only if the clock plus CAP_MARGIN x the slowest of the last 10 steps fits the cap: a step up to 1.5x
-# slower than those (a loaded host) still ends in time; costs about half a step (0.05% of a 600 s record run)
+# a step starts only if the clock plus CAP_MARGIN x the slowest of the last 10 steps fits the cap: one 1.5x slower
+# still ends in time, for about half a step (0.05% of a 600 s record run)
 CAP_MARGIN = 1.5
 PROGRESS_EVERY_S = 10.0  # a progress line (no loss: no host sync) when no step line came for this long
 
@@ -2668,10 +2576,9 @@ def read_checkpoint(path: str) -> dict:
 
 
 class EMA:
-    """Exponential moving average of all parameters in fp32, applied to the model after training.
-    Its time constant is a fixed fraction of the run (progress 0..1, by iteration or by wallclock), so
-    one setting scales with the run's length: decay = exp(-dp / horizon) per step of progress dp
-    (0.08 was best at 1,500 and 3,000 proxy steps). EMA_DECAY > 0 fixes the per-step decay instead."""
+    """EMA of all parameters in fp32, applied after training. Its time constant is a fraction of the run (progress
+    0..1), so one setting fits any length: decay = exp(-dp / horizon) per progress step dp (0.08 best at 1,500 and
+    3,000 proxy steps). EMA_DECAY > 0 fixes the per-step decay instead."""
 
     def __init__(self, model: nn.Module, horizon: float, fixed_decay: float = 0.0):
         self.horizon, self.fixed_decay = horizon, fixed_decay
@@ -2696,8 +2603,8 @@ def train_cap_ms(cfg: Hyperparameters) -> float:
 
 
 def lr_scale_at(cfg: Hyperparameters, step: int, elapsed_ms: float) -> float:
-    """Linear warmdown over the last WARMDOWN_ITERS iterations, or (when capped) over the last
-    WARMDOWN_ITERS average steps of wallclock, whichever budget ends first; floored at MIN_LR."""
+    """Linear warmdown over the last WARMDOWN_ITERS steps, or capped, of wallclock (as many average steps),
+    whichever ends first; floored at MIN_LR."""
     if cfg.warmdown_iters <= 0:
         return 1.0
     scale = min(1.0, max(0.0, (cfg.iterations - step) / cfg.warmdown_iters))
@@ -2713,8 +2620,7 @@ def muon_momentum_at(cfg: Hyperparameters, step: int) -> float:
 
 
 class Trainer:
-    """Owns model, optimizers and data for the training phases: warmup (then full restore), the timed
-    loop with its wallclock cap, and the bookkeeping of losses."""
+    """Model, optimizers and data through warmup (then a full restore), the timed loop, and checkpoints."""
 
     def __init__(self, cfg: Hyperparameters, rt: Runtime, model: GPT, loader: TrainLoader, log: Logger,
                  tokenizer: str = ""):
@@ -2746,10 +2652,8 @@ class Trainer:
         return loss.detach()
 
     def _capture(self, x: Tensor, y: Tensor) -> tuple:
-        """Capture fwd_bwd for the current model variant. Only at a step's first micro-batch (gradients
-        zero): the warm-up run that capture needs (side stream) adds gradients, removed after. While a
-        second variant warms up, the first graph's pool is held: a transient second activation-sized
-        block (42 GB reserved vs 21 GB allocated, 2-GPU record run)."""
+        """Capture fwd_bwd for the current variant, at a step's first micro-batch (zero gradients: the side-stream
+        warm-up's are removed). A second variant's warm-up holds a second activation block (42 GB reserved vs 21)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if any(p.grad is not None and p.grad.any() for p in params):
             raise RuntimeError("CUDA graph capture needs zero gradients (a step's first micro-batch)")
@@ -2776,8 +2680,8 @@ class Trainer:
         return self.model.looping, self.model.qat_enabled
 
     def variants(self) -> list[tuple[bool, bool]]:
-        """The variants the timed loop runs, in order: the repeats (at ENABLE_LOOPING_AT), then late QAT; an
-        earlier QAT brings the repeats forward (it tunes the final model to the grid), so none is skipped."""
+        """The variants the timed loop runs, in order: the repeats (at ENABLE_LOOPING_AT), then late QAT (an earlier
+        QAT brings the repeats forward: it tunes the final model)."""
         loops, qat, at = self.cfg.num_loops > 0, self.cfg.late_qat_threshold > 0, self.cfg.enable_looping_at
         out = [(loops and at == 0, False)] + [(True, False)] * (loops and at > 0)
         return out + [(loops, True)] * qat
@@ -2793,9 +2697,8 @@ class Trainer:
         return loss_sum / self.rt.grad_accum_steps
 
     def warmup(self) -> None:
-        """Compile (and fill caches) on real steps, then restore weights, optimizer state and data
-        position exactly. The last warmup steps compile the later variants (the loop's repeats, late QAT),
-        so their switches inside the timed window cost no recompile."""
+        """Compile on real steps, the last ones the later variants (no recompile in the timed window), then restore
+        weights, optimizer state and data position exactly."""
         cfg, variants = self.cfg, self.variants()
         if cfg.warmup_steps <= 0:
             return
@@ -2820,7 +2723,7 @@ class Trainer:
         cap_ms = train_cap_ms(cfg)
         # one host sync per iteration where ranks must agree on a clock: the cap, checkpoints, or a signal
         clocked = cap_ms > 0 or cfg.checkpoint_every > 0 or rt.world_size > 1
-        # durations of whole iterations (logging included, val excluded); a resumed run starts from the saved one's
+        # whole iterations' durations (logging in, val out); a resumed run starts from the saved one's
         recent_ms: list[float] = [self.clock["recent_ms"]] if self.clock.get("recent_ms") else []
         first_bad = torch.full((), -1, dtype=torch.int64, device=rt.device)  # first non-finite loss step
         step, train_ms, progress = self.clock["step"], self.clock["train_ms"], self.clock["progress"]
@@ -2903,8 +2806,8 @@ class Trainer:
                     f"over_by:{train_ms - cap_ms:.0f}ms")
             self.check_finite(first_bad)
             stopped = int(all_reduce_max(float(self.signal), rt.device))  # one that came in the last step counts too
-            # always: no trained model is lost to a failure or signal in export, scoring or TTT (RESUME=it exports
-            # and scores again, with no training); run() removes it at the end unless CHECKPOINT_EVERY keeps them
+            # always: no trained model is lost to a failure after training (RESUME=it exports and scores again);
+            # run() removes it at the end unless CHECKPOINT_EVERY keeps them
             try:
                 self.save_checkpoint(ema, clock(train_ms, done=not stopped))
             except OSError as e:  # a disk that holds the artifact but not the checkpoint still gets the artifact
@@ -2933,9 +2836,8 @@ class Trainer:
         return max(min(left, cap_ms - t_ms) if cap_ms > 0 else left, 0.0) / 1000
 
     def state(self, ema: EMA | None, clock: dict) -> dict:
-        """Everything the loop needs to go on exactly: weights, optimizer state, EMA, data position, clock
-        (step, train_ms, progress, qat), RNG; warmup's snapshot and a checkpoint's content. Every rank takes part
-        (the momentum gather). Holds references to live tensors."""
+        """Everything the loop needs to go on exactly (warmup's snapshot, a checkpoint's content): weights, optimizer,
+        EMA, data position, clock, RNG. A collective (the momentum gather); holds references to live tensors."""
         cuda = self.rt.device.type == "cuda"
         return dict(settings=asdict(self.cfg), tokenizer_sha256=self.tokenizer, model=self.model.state_dict(),
                     opt=self.opt.state_dict(), ema=ema.shadow if ema is not None else None,
@@ -2973,6 +2875,8 @@ class Trainer:
         if bad < math.inf:
             raise FloatingPointError(f"non-finite training loss at step {int(bad)}")
 
+
+# ===== main: the pipeline (log header, data, train, export, scoring) and the entry point =====
 
 def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[str], code: str, code_bytes: int) -> None:
     """The log's start: the source, versions, machine, every setting, warnings, the layout and outputs, the model's
@@ -3013,8 +2917,8 @@ def log_score(log: Logger, key: str, s: Score, extra: str = "") -> None:
 
 
 def validation_scorer(cfg: Hyperparameters, rt: Runtime, log: Logger, tokenizer: str) -> tuple[Scorer, bool]:
-    """The scorer of the val shards, once the tokenizer is shown to be theirs (and the train shards'); whether the
-    data is the offline sample (its scores are not comparable to FineWeb's)."""
+    """The val shards' scorer, once the tokenizer is shown to be theirs (and the train shards'), and whether they are
+    the offline sample."""
     import sentencepiece as spm
     sp = spm.SentencePieceProcessor(model_file=cfg.tokenizer_path)
     log(f"tokenizer path:{cfg.tokenizer_path} sha256:{tokenizer}")
@@ -3040,8 +2944,7 @@ def validation_scorer(cfg: Hyperparameters, rt: Runtime, log: Logger, tokenizer:
 
 def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: dict | None,
           tokenizer: str) -> tuple[GPT, dict | None, float, int]:
-    """The trained model (RESUME: from its checkpoint), EMA applied, and GPTQ's Hessians when asked for; returns
-    (model, hessians, training ms, the signal that stopped training or 0)."""
+    """(the trained model, EMA applied; GPTQ's Hessians or None; training ms; the signal that stopped it or 0)."""
     model, files = build_model(cfg, rt), shard_files(cfg.data_path, "train")
     loader = TrainLoader(files, cfg, rt)
     log(f"train_data shards:{len(files)} tokens:{loader.tokens} epochs_at_max_iterations:"
@@ -3092,9 +2995,8 @@ def export(cfg: Hyperparameters, rt: Runtime, log: Logger, model: GPT, hessians:
 
 def score_artifact(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer,
                    tensors: dict[str, Tensor]) -> tuple[str, Score]:
-    """The artifact's scores, on a model built from its tensors alone: the round trip (EVAL_SEQ_LEN), the sliding
-    window (EVAL_STRIDE; per document too, lora TTT's baseline), then TTT (last: it changes the weights). Returns
-    the final score and its log key."""
+    """The artifact's scores on a model of its tensors alone: round trip, sliding window (per document too: lora
+    TTT's baseline), then TTT (it changes the weights). Returns the final score's key and the score."""
     model = artifact_model(cfg, rt, tensors)
     log_score(log, "final_int6_roundtrip", scorer(model, cfg.eval_seq_len))
     if cfg.sliding_eval_enabled:  # without it TTT's score is the only one at EVAL_STRIDE (as the records' TTT runs)
@@ -3113,10 +3015,6 @@ def score_artifact(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Score
                 f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
     return key, score
 
-
-# =============================================================================================
-# main
-# =============================================================================================
 
 def main() -> int:
     # the readable source: this file, or what the shipped stub (shipped_code) unpacked before running it
@@ -3205,8 +3103,7 @@ def error_text(e: BaseException) -> str:
 
 
 def report_error(e: BaseException) -> int:
-    """One line on stderr for an error that ends the run (main wrote it to the log). Errors every rank meets
-    alike (settings, data, a non-finite loss) are reported by rank 0 only."""
+    """One line on stderr for an error that ends the run; errors every rank meets alike come from rank 0 only."""
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0 or not isinstance(e, (ValueError, OSError, FloatingPointError, KeyboardInterrupt)):
         what = (str(e) or "interrupted") if isinstance(e, KeyboardInterrupt) else error_text(e)
