@@ -2,16 +2,27 @@
 
     python3 data/cached_challenge_fineweb.py --variant sp1024 --train-shards N [--dest data]
     python3 data/cached_challenge_fineweb.py --variant sp1024 --train-shards 1 --local-repo /mirror
+    python3 data/cached_challenge_fineweb.py --variant sp8192_caseops --train-shards 80
 
 Writes <dest>/datasets/fineweb10B_<variant>/fineweb_{train,val}_NNNNNN.bin (the first N train shards,
 always every val shard), <dest>/tokenizers/<tokenizer files> and <dest>/datasets/manifest.json.
 
 Source: the Hugging Face dataset repo that publishes the variant (VARIANT_REPOS: `willdepueoai/parameter-golf`
-for sp1024, `kevclark/parameter-golf` for sp4096 and sp8192; env MATCHED_FINEWEB_REPO_ID overrides), export
-rooted at `datasets/` (env MATCHED_FINEWEB_REMOTE_ROOT_PREFIX). The manifest lists
-`datasets[]` {name, tokenizer_name, path, vocab_size, bos_id, stats{files_train, files_val, tokens_val, ...}}
-and `tokenizers[]` {name, model_path, vocab_path}; paths are relative to the export root.
-`--local-repo DIR` copies from a directory laid out like the remote repo (mirrors, tests).
+for sp1024, `kevclark/parameter-golf` for sp4096 and sp8192, `romeerp/parameter-golf-caseops-v1` for CaseOps;
+env MATCHED_FINEWEB_REPO_ID overrides), export rooted at `datasets/` (env MATCHED_FINEWEB_REMOTE_ROOT_PREFIX).
+The manifest lists `datasets[]` {name, tokenizer_name, path, vocab_size, bos_id, val_bytes_glob (CaseOps),
+stats{files_train, files_val, tokens_val, ...}} and `tokenizers[]` {name, model_path, vocab_path}; paths are
+relative to the export root. `--local-repo DIR` copies from a directory laid out like the remote repo (mirrors, tests).
+
+CaseOps (`--variant sp8192_caseops`, alias of sp8192_lossless_caps_caseops_v1_reserved, the name the records'
+commands use): SP8192 lossless-caps shards into <dest>/datasets/fineweb10B_sp8192_lossless_caps_caseops_v1_reserved/,
+tokenizer fineweb_8192_bpe_lossless_caps_caseops_v1_reserved.model. Besides the val shards it fetches each one's
+byte sidecar fineweb_val_bytes_NNNNNN.bin (shard format: uint16 original-text bytes per val token, which
+train_gpt.py scores CaseOps val_bpb with): size-checked like a shard, and its count must equal its val shard's
+(a sidecar that fails either is deleted and refused). Sidecars are fetched for any dataset whose manifest entry has
+val_bytes_glob, and always for a CaseOps one. The layout (the 2026-04-18 CaseOps record of openai/parameter-golf and
+its download commands) is untried here: these machines have no network; only a fake local repository is tested.
+The alternative is building the data locally with data/make_caseops.py.
 
 Resumable: each file lands in `<name>.part` and is renamed when complete; a shard already present
 whose size matches its header is skipped, a present shard that fails the check is fetched again.
@@ -37,9 +48,13 @@ except ImportError:  # imported as data.cached_challenge_fineweb from the repo r
     from data.shards import shard_token_count
 
 DEFAULT_REPO_ID = "willdepueoai/parameter-golf"
+CASEOPS_VARIANT = "sp8192_lossless_caps_caseops_v1_reserved"  # fineweb10B_<this> in the CaseOps export's manifest
+VARIANT_ALIASES = {"sp8192_caseops": CASEOPS_VARIANT}
 # The repository that publishes each tokenizer family (the records' download commands, FRONTIER.md "Vocab
-# 4096/8192"); others default to DEFAULT_REPO_ID.
-VARIANT_REPOS = {"sp4096": "kevclark/parameter-golf", "sp8192": "kevclark/parameter-golf"}
+# 4096/8192"; CaseOps: openai/parameter-golf records/track_10min_16mb/2026-04-18_PR1626_CaseOps_Taper/README.md);
+# others default to DEFAULT_REPO_ID.
+VARIANT_REPOS = {"sp4096": "kevclark/parameter-golf", "sp8192": "kevclark/parameter-golf",
+                 CASEOPS_VARIANT: "romeerp/parameter-golf-caseops-v1"}
 DEFAULT_ROOT_PREFIX = "datasets"
 
 # fetch(remote_relpath, local_path): copy one file of the repo (path relative to the repo root) to local_path.
@@ -113,10 +128,29 @@ def get_shard(fetch: Fetch, remote: str, dest: Path) -> int:
         raise ValueError(f"downloaded shard {remote} is corrupt: {e}") from None
 
 
+def canonical_variant(variant: str) -> str:
+    return VARIANT_ALIASES.get(variant, variant)
+
+
 def dataset_name(variant: str) -> str:
-    if not re.fullmatch(r"[a-z]+[0-9]+", variant):
-        raise ValueError(f"--variant {variant!r}: expected a name like sp1024 or byte260")
+    variant = canonical_variant(variant)
+    if not re.fullmatch(r"[a-z]+[0-9]+(_[a-z0-9]+)*", variant):
+        raise ValueError(f"--variant {variant!r}: expected a name like sp1024, byte260 or sp8192_caseops")
     return f"fineweb10B_{variant}"
+
+
+def get_sidecar(fetch: Fetch, remote: str, dest: Path, val_tokens: int, val_remote: str) -> int:
+    """Make sure dest holds the byte sidecar of a val shard of val_tokens tokens (a shard-format file of as many
+    values); a present one of another count is fetched again, a fetched one of another count deleted and refused."""
+    num = _shard_ok(dest)
+    if num is not None and num != val_tokens:
+        print(f"refetch path:{dest} reason:count_mismatch ({num} values, {val_tokens} val tokens)")
+        dest.unlink()
+    num = get_shard(fetch, remote, dest)
+    if num != val_tokens:
+        dest.unlink()
+        raise ValueError(f"byte sidecar {remote} holds {num} values, its val shard {val_remote} {val_tokens} tokens")
+    return num
 
 
 def _find(entries: list, name: str, what: str, manifest_path: str) -> dict:
@@ -158,13 +192,18 @@ def download(variant: str, train_shards: int, dest: str | os.PathLike, fetch: Fe
 
     remote_dir = f"{root}/{entry.get('path') or 'datasets/' + name}".rstrip("/")
     local_dir = dest / "datasets" / name
-    val_tokens = sum(
-        get_shard(fetch, f"{remote_dir}/fineweb_val_{i:06d}.bin", local_dir / f"fineweb_val_{i:06d}.bin")
-        for i in range(files_val)
-    )
+    val_counts = [get_shard(fetch, f"{remote_dir}/fineweb_val_{i:06d}.bin", local_dir / f"fineweb_val_{i:06d}.bin")
+                  for i in range(files_val)]
+    val_tokens = sum(val_counts)
     expected_val = (entry.get("stats") or {}).get("tokens_val")
     if expected_val is not None and val_tokens != expected_val:
         raise ValueError(f"{local_dir}: val shards hold {val_tokens} tokens, manifest stats.tokens_val={expected_val}")
+    sidecars = []
+    if entry.get("val_bytes_glob") or "caseops" in name:  # CaseOps val_bpb is scored on these: never without them
+        for i, n in enumerate(val_counts):
+            sidecar = local_dir / f"fineweb_val_bytes_{i:06d}.bin"
+            get_sidecar(fetch, f"{remote_dir}/{sidecar.name}", sidecar, n, f"{remote_dir}/fineweb_val_{i:06d}.bin")
+            sidecars.append(sidecar)
     train_tokens = sum(
         get_shard(fetch, f"{remote_dir}/fineweb_train_{i:06d}.bin", local_dir / f"fineweb_train_{i:06d}.bin")
         for i in range(train_shards)
@@ -184,19 +223,21 @@ def download(variant: str, train_shards: int, dest: str | os.PathLike, fetch: Fe
         if not (local.is_file() and local.stat().st_size > 0):  # no size in the manifest: present = done
             _fetch_to(fetch, f"{root}/{rel}", local)
         tokenizer_files.append(local)
-    return dict(dataset_dir=local_dir, train_shards=train_shards, train_tokens=train_tokens,
-                val_shards=files_val, val_tokens=val_tokens, tokenizer_files=tokenizer_files)
+    return dict(dataset_dir=local_dir, train_shards=train_shards, train_tokens=train_tokens, val_shards=files_val,
+                val_tokens=val_tokens, val_byte_sidecars=sidecars, tokenizer_files=tokenizer_files)
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--variant", default="sp1024", help="tokenizer family, e.g. sp1024 -> fineweb10B_sp1024")
+    p.add_argument("--variant", default="sp1024", help="tokenizer family, e.g. sp1024 -> fineweb10B_sp1024; "
+                   f"sp8192_caseops -> fineweb10B_{CASEOPS_VARIANT} (with the val byte sidecars)")
     p.add_argument("--train-shards", type=int, default=1, help="number of train shards (a prefix)")
     p.add_argument("--dest", default=str(Path(__file__).resolve().parent), help="local data dir (default: data/)")
     p.add_argument("--local-repo", help="copy from this directory (laid out like the remote repo) instead of HF")
     args = p.parse_args(argv)
     root = os.environ.get("MATCHED_FINEWEB_REMOTE_ROOT_PREFIX", DEFAULT_ROOT_PREFIX)
-    repo_id = os.environ.get("MATCHED_FINEWEB_REPO_ID") or VARIANT_REPOS.get(args.variant, DEFAULT_REPO_ID)
+    repo_id = os.environ.get("MATCHED_FINEWEB_REPO_ID") or VARIANT_REPOS.get(canonical_variant(args.variant),
+                                                                             DEFAULT_REPO_ID)
     fetch = local_fetch(args.local_repo) if args.local_repo else hf_fetch(repo_id)
     print(f"source:{args.local_repo or repo_id} root:{root} variant:{args.variant}")  # names what errors refer to
     try:
@@ -204,7 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     print(f"downloaded dataset:{out['dataset_dir']} train_shards:{out['train_shards']} train_tokens:{out['train_tokens']} "
-          f"val_shards:{out['val_shards']} val_tokens:{out['val_tokens']}")
+          f"val_shards:{out['val_shards']} val_tokens:{out['val_tokens']} "
+          f"val_byte_sidecars:{len(out['val_byte_sidecars'])}")
     for f in out["tokenizer_files"]:
         print(f"downloaded tokenizer:{f}")
     return out

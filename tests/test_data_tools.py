@@ -244,6 +244,8 @@ def test_env_overrides_repo_id_and_root_prefix(tmp_path, monkeypatch):
     ("sp8192", None, "kevclark/parameter-golf"),  # published elsewhere: no env needed
     ("sp4096", None, "kevclark/parameter-golf"),
     ("sp8192", "someone/mirror", "someone/mirror"),  # the environment still wins
+    ("sp8192_caseops", None, "romeerp/parameter-golf-caseops-v1"),
+    ("sp8192_lossless_caps_caseops_v1_reserved", None, "romeerp/parameter-golf-caseops-v1"),  # the records' name
 ])
 def test_each_variant_comes_from_the_repository_that_publishes_it(tmp_path, monkeypatch, capsys, variant, env, want):
     repo = tmp_path / "mirror"
@@ -261,7 +263,7 @@ def test_each_variant_comes_from_the_repository_that_publishes_it(tmp_path, monk
     try:
         ccf.main(["--variant", variant, "--train-shards", "1", "--dest", str(tmp_path / "d")])
     except SystemExit as e:
-        assert variant != "sp1024" and f"no dataset named 'fineweb10B_{variant}'" in str(e)
+        assert variant != "sp1024" and f"no dataset named '{ccf.dataset_name(variant)}'" in str(e)
     assert seen["repo_id"] == want
     assert f"source:{want} root:datasets variant:{variant}" in capsys.readouterr().out
 
@@ -274,6 +276,145 @@ def test_a_manifest_left_by_another_variant_is_never_read(tmp_path, fake_repo):
     out = ccf.download("sp1024", 1, dest, CountingFetch(fake_repo), "datasets")
     assert out["train_shards"] == 1
     assert json.loads((dest / "datasets" / "manifest.json").read_text())["datasets"][0]["name"] == "fineweb10B_sp1024"
+
+
+CASEOPS = "fineweb10B_sp8192_lossless_caps_caseops_v1_reserved"
+CASEOPS_TOK = "fineweb_8192_bpe_lossless_caps_caseops_v1_reserved"
+
+
+def build_fake_caseops_repo(repo: Path, train=(100, 120), val=(50, 30)) -> Path:
+    """Laid out like romeerp/parameter-golf-caseops-v1 as the CaseOps records describe it: datasets/manifest.json,
+    datasets/datasets/<CASEOPS>/fineweb_{train,val,val_bytes}_NNNNNN.bin, datasets/tokenizers/<CASEOPS_TOK>.*.
+    Returns the remote dataset folder."""
+    rng = np.random.default_rng(1)
+    ds = repo / "datasets" / "datasets" / CASEOPS
+    ds.mkdir(parents=True)
+    for split, sizes in (("train", train), ("val", val)):
+        for i, n in enumerate(sizes):
+            shards.write_shard(ds / f"fineweb_{split}_{i:06d}.bin", rng.integers(0, 8192, n))
+    for i, n in enumerate(val):
+        shards.write_shard(ds / f"fineweb_val_bytes_{i:06d}.bin", rng.integers(0, 12, n))
+    tok = repo / "datasets" / "tokenizers"
+    tok.mkdir()
+    (tok / f"{CASEOPS_TOK}.model").write_bytes(b"fake caseops model")
+    (tok / f"{CASEOPS_TOK}.vocab").write_bytes(b"fake caseops vocab")
+    manifest = {
+        "datasets": [{"name": CASEOPS, "tokenizer_name": "sp_bpe_8192_lossless_caps_caseops_v1_reserved",
+                      "path": f"datasets/{CASEOPS}", "train_glob": f"datasets/{CASEOPS}/fineweb_train_*.bin",
+                      "val_glob": f"datasets/{CASEOPS}/fineweb_val_*.bin",
+                      "val_bytes_glob": f"datasets/{CASEOPS}/fineweb_val_bytes_*.bin", "vocab_size": 8192, "bos_id": 1,
+                      "stats": {"files_train": len(train), "files_val": len(val), "docs_val": 7,
+                                "tokens_train": sum(train), "tokens_val": sum(val)}}],
+        "tokenizers": [{"name": "sp_bpe_8192_lossless_caps_caseops_v1_reserved", "kind": "sentencepiece_bpe",
+                        "vocab_size": 8192, "text_transform": "lossless_caps_caseops_v1",
+                        "model_path": f"tokenizers/{CASEOPS_TOK}.model",
+                        "vocab_path": f"tokenizers/{CASEOPS_TOK}.vocab"}],
+    }
+    (repo / "datasets" / "manifest.json").write_text(json.dumps(manifest))
+    return ds
+
+
+@pytest.fixture
+def caseops_repo(tmp_path):
+    repo = tmp_path / "caseops_repo"
+    build_fake_caseops_repo(repo)
+    return repo
+
+
+def caseops_main(tmp_path, repo, *args):
+    return ccf.main(["--variant", "sp8192_caseops", "--train-shards", "1", "--dest", str(tmp_path / "d"),
+                     "--local-repo", str(repo), *args])
+
+
+def test_caseops_download_brings_the_byte_sidecars_where_train_gpt_reads_them(tmp_path, caseops_repo, capsys):
+    out = caseops_main(tmp_path, caseops_repo)
+    local, remote = tmp_path / "d" / "datasets" / CASEOPS, caseops_repo / "datasets" / "datasets" / CASEOPS
+    assert sorted(p.name for p in local.iterdir()) == [
+        "fineweb_train_000000.bin", "fineweb_val_000000.bin", "fineweb_val_000001.bin",
+        "fineweb_val_bytes_000000.bin", "fineweb_val_bytes_000001.bin"]
+    for p in local.iterdir():
+        assert p.read_bytes() == (remote / p.name).read_bytes()
+    assert [p.name for p in out["tokenizer_files"]] == [f"{CASEOPS_TOK}.model", f"{CASEOPS_TOK}.vocab"]
+    assert (out["val_tokens"], [p.name for p in out["val_byte_sidecars"]]) == (
+        80, ["fineweb_val_bytes_000000.bin", "fineweb_val_bytes_000001.bin"])
+    assert "val_byte_sidecars:2" in capsys.readouterr().out
+    assert not list((tmp_path / "d").rglob("*.part"))
+    # What train_gpt.py reads at DATA_PATH=<dest>/datasets/<CASEOPS>: val shards without the sidecars, the sidecars
+    # as one value per val token, and the val counts from the export's manifest one folder up.
+    val_names = [Path(f).name for f in tg.shard_files(str(local), "val")]
+    assert val_names == ["fineweb_val_000000.bin", "fineweb_val_000001.bin"]
+    want = np.concatenate([np.fromfile(remote / f"fineweb_val_bytes_{i:06d}.bin", "<u2", offset=1024) for i in (0, 1)])
+    assert tg.val_byte_sidecar(str(local), 80).tolist() == want.tolist()
+    assert tg.val_manifest(str(local))[0] == {"docs": 7, "tokens": 80}
+
+
+def test_caseops_rerun_skips_valid_sidecars_and_refetches_a_stale_one(tmp_path, caseops_repo):
+    dest = tmp_path / "d"
+    caseops_main(tmp_path, caseops_repo)
+    again = CountingFetch(caseops_repo)
+    ccf.download("sp8192_caseops", 1, dest, again, "datasets")
+    assert again.calls == ["datasets/manifest.json"]
+    stale = dest / "datasets" / CASEOPS / "fineweb_val_bytes_000001.bin"
+    shards.write_shard(stale, [1, 2, 3])  # a valid shard, of another val set
+    third = CountingFetch(caseops_repo)
+    ccf.download("sp8192_caseops", 1, dest, third, "datasets")
+    assert third.calls == ["datasets/manifest.json", f"datasets/datasets/{CASEOPS}/fineweb_val_bytes_000001.bin"]
+    assert shards.shard_token_count(stale) == 30
+
+
+def test_caseops_truncated_sidecar_is_refused(tmp_path, caseops_repo):
+    remote = caseops_repo / "datasets" / "datasets" / CASEOPS / "fineweb_val_bytes_000001.bin"
+    remote.write_bytes(remote.read_bytes()[:-2])
+    with pytest.raises(SystemExit, match="fineweb_val_bytes_000001.bin is corrupt"):
+        caseops_main(tmp_path, caseops_repo)
+    assert not (tmp_path / "d" / "datasets" / CASEOPS / "fineweb_val_bytes_000001.bin").exists()
+
+
+def test_caseops_sidecar_of_another_count_than_its_val_shard_is_refused(tmp_path, caseops_repo):
+    remote = caseops_repo / "datasets" / "datasets" / CASEOPS
+    shards.write_shard(remote / "fineweb_val_bytes_000000.bin", np.ones(30, dtype=int))  # well formed, val shard 0 has 50
+    with pytest.raises(SystemExit, match=r"fineweb_val_bytes_000000.bin holds 30 values, its val shard "
+                                         r".*fineweb_val_000000.bin 50 tokens"):
+        caseops_main(tmp_path, caseops_repo)
+    assert not (tmp_path / "d" / "datasets" / CASEOPS / "fineweb_val_bytes_000000.bin").exists()
+
+
+def test_caseops_without_sidecars_is_refused(tmp_path, caseops_repo):
+    """A CaseOps dataset is fetched with its sidecars even where the manifest names none (no val_bytes_glob):
+    train_gpt.py cannot score CaseOps val without them."""
+    path = caseops_repo / "datasets" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["datasets"][0]["val_bytes_glob"]
+    path.write_text(json.dumps(manifest))
+    (caseops_repo / "datasets" / "datasets" / CASEOPS / "fineweb_val_bytes_000000.bin").unlink()
+    with pytest.raises(SystemExit, match="fineweb_val_bytes_000000.bin: not found"):
+        caseops_main(tmp_path, caseops_repo)
+
+
+def test_val_bytes_glob_brings_sidecars_for_any_dataset(tmp_path, fake_repo):
+    path = fake_repo / "datasets" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["datasets"][0]["val_bytes_glob"] = "datasets/fineweb10B_sp1024/fineweb_val_bytes_*.bin"
+    path.write_text(json.dumps(manifest))
+    remote = fake_repo / "datasets" / "datasets" / "fineweb10B_sp1024"
+    for i, n in enumerate((50, 30)):
+        shards.write_shard(remote / f"fineweb_val_bytes_{i:06d}.bin", np.full(n, 3))
+    out = ccf.download("sp1024", 0, tmp_path / "d", CountingFetch(fake_repo), "datasets")
+    assert [shards.shard_token_count(p) for p in out["val_byte_sidecars"]] == [50, 30]
+
+
+@pytest.mark.parametrize("variant, name", [
+    ("sp1024", "fineweb10B_sp1024"), ("byte260", "fineweb10B_byte260"),
+    ("sp8192_caseops", CASEOPS), ("sp8192_lossless_caps_caseops_v1_reserved", CASEOPS),
+])
+def test_dataset_names(variant, name):
+    assert ccf.dataset_name(variant) == name
+
+
+@pytest.mark.parametrize("variant", ["sp", "SP1024", "sp1024/../x", "sp8192_", "sp8192__caseops", "1024"])
+def test_bad_variant_names_are_refused(variant):
+    with pytest.raises(ValueError, match="expected a name like"):
+        ccf.dataset_name(variant)
 
 
 # ---------------------------------------------------------------- make_shards
