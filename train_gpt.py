@@ -856,6 +856,7 @@ GET_DATA = ("get FineWeb with `python3 data/cached_challenge_fineweb.py --varian
             "`bash data/quickstart.sh` for the offline sample")
 SAMPLE_MARK = 0x504D4153  # header word 3 of the shards data/make_sample.py writes (b"SAMP"; FineWeb's hold 0)
 BOS_ID = 1  # every document of a shard starts with it: the challenge tokenizers' <s>
+CASEOPS_TITLE = "\ue001"  # the first of CaseOps' case operators (U+E001..E004), a piece of its tokenizers only
 DOC_BOUNDARY_TOKENS = 256  # varlen: room for a document per 256 tokens (FineWeb: about 85 in a 98K-token micro-batch)
 
 
@@ -912,10 +913,35 @@ def is_sample_shard(path: str | Path) -> bool:
 def shard_files(data_path: str, split: str) -> list[str]:
     if not Path(data_path).is_dir():
         raise FileNotFoundError(f"DATA_PATH {data_path} is not a directory: {GET_DATA}")
-    files = sorted(glob.glob(str(Path(data_path) / f"fineweb_{split}_*.bin")))
+    files = sorted(glob.glob(str(Path(data_path) / f"fineweb_{split}_[0-9]*.bin")))  # not the byte sidecar
     if not files:
         raise FileNotFoundError(f"no shards matching {Path(data_path) / f'fineweb_{split}_*.bin'}: {GET_DATA}")
     return files
+
+
+def val_byte_sidecar(data_path: str, n_tokens: int) -> Tensor | None:
+    """Each val token's bytes of the original text (fineweb_val_bytes_*.bin, the shard layout): CaseOps data is
+    scored on the text before its case transform. None without it: the tokenizer's byte rule."""
+    files = sorted(glob.glob(str(Path(data_path) / "fineweb_val_bytes_*.bin")))
+    if not files:
+        return None
+    counts = np.concatenate([np.fromfile(f, "<u2", shard_token_count(f), offset=HEADER_BYTES) for f in files])
+    if counts.size != n_tokens:
+        raise ShardError(f"{data_path}: the byte sidecar holds {counts.size} values for {n_tokens} val tokens")
+    return torch.from_numpy(counts.astype(np.int64))
+
+
+def val_manifest(data_path: str) -> tuple[dict, str]:
+    """The val set's {"docs", "tokens"} as the data's manifest states them (DATA_PATH/manifest.json of
+    data/make_caseops.py, or the challenge export's ../manifest.json entry of this folder), and its path."""
+    ours, export = Path(data_path) / "manifest.json", Path(data_path).parent / "manifest.json"
+    if ours.is_file() and isinstance(val := json.loads(ours.read_text()).get("val"), dict):
+        return {k: val.get(k) for k in ("docs", "tokens")}, str(ours)
+    for entry in json.loads(export.read_text()).get("datasets", []) if export.is_file() else []:
+        if Path(str(entry.get("path", ""))).name == Path(data_path).name:
+            stats = entry.get("stats", {})
+            return {"docs": stats.get("docs_val"), "tokens": stats.get("tokens_val")}, str(export)
+    return {}, ""
 
 
 class CoprimeSampler:
@@ -1827,8 +1853,10 @@ class Scorer:
     """Scores a model on the val tokens: windows batched, split across ranks, float64 sums. Every scorer (sliding,
     per document, both TTT modes) runs through loop() and scores rows with rows_nll()."""
 
-    def __init__(self, cfg: Hyperparameters, rt: Runtime, tokens: Tensor, luts, log: Logger | None = None):
+    def __init__(self, cfg: Hyperparameters, rt: Runtime, tokens: Tensor, luts, log: Logger | None = None,
+                 val_bytes: Tensor | None = None):
         self.cfg, self.rt, self.luts, self.tokens = cfg, rt, luts, tokens.to(rt.device)
+        self.val_bytes = None if val_bytes is None else val_bytes.to(rt.device)  # the byte sidecar's, else luts'
         self.log = log if log is not None else Logger("", enabled=False)
         self.batch_seqs = max(1, cfg.val_batch_size // (rt.world_size * rt.grad_accum_steps * cfg.eval_seq_len))
 
@@ -1843,6 +1871,10 @@ class Scorer:
         n, per_doc = self.tokens.numel() - 1, per_doc or self.cfg.doc_isolation
         return sorted({0} | set((self.tokens[:n] == BOS_ID).nonzero().flatten().tolist())) if per_doc else [0]
 
+    @property
+    def byte_rule(self) -> str:
+        return "tokenizer" if self.val_bytes is None else "sidecar"
+
     def logits_fn(self, model: GPT) -> Callable:
         """model.logits of rows of windows (one document each under DOC_ISOLATION), compiled when enabled."""
         return compiled(functools.partial(model.logits, one_doc=True), self.rt)
@@ -1852,16 +1884,18 @@ class Scorer:
         with torch.inference_mode(), autocast(self.rt.device):
             fn(torch.zeros(self.batch_seqs, self.cfg.eval_seq_len, dtype=torch.int64, device=self.rt.device))
 
-    def rows(self, starts_B: Tensor, lo_B: Tensor, hi_B: Tensor, length: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Inputs, targets and the mask of targets [lo_B, hi_B) of rows of `length` tokens from starts_B (reads past
-        the end clamped, masked out)."""
+    def rows(self, starts_B: Tensor, lo_B: Tensor, hi_B: Tensor, length: int) -> tuple[Tensor, ...]:
+        """Inputs, targets, the mask of targets [lo_B, hi_B) and the targets' bytes, of rows of `length` tokens from
+        starts_B (reads past the end clamped, masked out)."""
         pos = torch.arange(length, device=starts_B.device)
         idx = (starts_B[:, None] + pos).clamp(max=self.tokens.numel() - 2)
-        return self.tokens[idx], self.tokens[idx + 1], (pos >= lo_B[:, None]) & (pos < hi_B[:, None])
+        x, y, (base, space, boundary) = self.tokens[idx], self.tokens[idx + 1], self.luts
+        nbytes = base[y] + (space[y] & ~boundary[x]) if self.val_bytes is None else self.val_bytes[idx + 1]
+        return x, y, (pos >= lo_B[:, None]) & (pos < hi_B[:, None]), nbytes
 
     def rows_nll(self, fn: Callable, w_B3: Tensor, length: int, *extra) -> tuple[Tensor, Tensor, tuple]:
-        """(logits, nll (B, length), rows (x, y, mask)) of windows w (start, first scored target, end) as rows of
-        `length` tokens, scored by fn(x, *extra)."""
+        """(logits, nll (B, length), rows (x, y, mask, bytes)) of windows w (start, first scored target, end) as rows
+        of `length` tokens, scored by fn(x, *extra)."""
         rows = self.rows(w_B3[:, 0], w_B3[:, 1] - w_B3[:, 0], w_B3[:, 2] - w_B3[:, 0], length)
         with autocast(self.rt.device):
             logits = fn(rows[0], *extra)
@@ -1876,14 +1910,13 @@ class Scorer:
         for b0 in range(0, mine.size(0), B):
             w = mine[b0: b0 + B]
             _, nll, rows = self.rows_nll(fn, F.pad(w, (0, 0, 0, B - w.size(0))), self.cfg.eval_seq_len)  # zero rows
-            sums += self.sums(nll, *rows)  # (all-zero padding rows score nothing)
+            sums += self.sums(nll, *rows[2:])  # (all-zero padding rows score nothing)
         return sums
 
-    def sums(self, nll_BT: Tensor, x_BT: Tensor, y_BT: Tensor, mask_BT: Tensor) -> Tensor:
-        """(nll, tokens, bytes) float64 sums over the masked targets (the val_bpb byte rule)."""
-        base, space, boundary = self.luts
-        nbytes, m = base[y_BT].double() + (space[y_BT] & ~boundary[x_BT]).double(), mask_BT.double()
-        return torch.stack(((nll_BT.double() * m).sum(), m.sum(), (nbytes * m).sum()))
+    def sums(self, nll_BT: Tensor, mask_BT: Tensor, bytes_BT: Tensor) -> Tensor:
+        """(nll, tokens, bytes) float64 sums over the masked targets."""
+        m = mask_BT.double()
+        return torch.stack(((nll_BT.double() * m).sum(), m.sum(), (bytes_BT.double() * m).sum()))
 
     def loop(self, warmup: Callable[[], None], steps: list, step: Callable[..., Tensor], progress: str = "",
              done: list[int] | None = None, header: str = "") -> Score:
@@ -1952,7 +1985,7 @@ def sgd_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> Sc
                     count = (c1 - batch).clamp(max=T).sum()  # targets in the global batch
                     a = batch[rt.rank::rt.world_size]
                     a = torch.cat((a, a.new_full((rows - a.numel(),), c1)))  # padding rows: no targets
-                    x, y, mask = scorer.rows(a, torch.zeros_like(a), c1 - a, T)
+                    x, y, mask, _ = scorer.rows(a, torch.zeros_like(a), c1 - a, T)
                     opt.zero_grad(set_to_none=False)
                     with autocast(rt.device):
                         logits = fn_train(x)
@@ -2039,9 +2072,9 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
             length = min(T, max(T // 16, 8, 1 << (max(hi - s for s, _, hi in going) - 1).bit_length()))
             w = plan[c, :n]
             for step in range(max(cfg.ttt_grad_steps, 1)):
-                logits, nll, (x, y, mask) = scorer.rows_nll(fn, w, length, lora)
+                logits, nll, (x, y, mask, nbytes) = scorer.rows_nll(fn, w, length, lora)
                 if step == 0:  # the score: before any step that sees these targets
-                    sums += scorer.sums(nll.detach(), x, y, mask)
+                    sums += scorer.sums(nll.detach(), mask, nbytes)
                     if probe is not None:
                         at = (w[:, :1] + torch.arange(length, device=rt.device))[mask]
                         probe["nll"][at] = nll.detach()[mask].double()
@@ -2294,13 +2327,12 @@ def _nbytes(dtype: str, shape: list[int]) -> int:
     return math.prod(shape) * torch.empty((), dtype=_DTYPES[dtype]).element_size()
 
 
-def pack_tensors(tensors: dict[str, Tensor], cfg: Hyperparameters, tokenizer: str = "") -> bytes:
-    """The container: magic, u32 header length, JSON {"settings": the MODEL_SETTINGS, "tokenizer_sha256",
-    "tensors": [[name, dtype, shape], ...]}, raw data."""
-    header = json.dumps({"settings": {n: getattr(cfg, n) for n in MODEL_SETTINGS},
-                         "tokenizer_sha256": tokenizer, "tensors":
-                         [[k, str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in tensors.items()]},
-                        separators=(",", ":")).encode()
+def pack_tensors(tensors: dict[str, Tensor], cfg: Hyperparameters, meta: dict | None = None) -> bytes:
+    """The container: magic, u32 header length, JSON {"settings": the MODEL_SETTINGS, meta ("tokenizer_sha256",
+    "byte_rule": what scored the val set), "tensors": [[name, dtype, shape], ...]}, raw data."""
+    layout = [[k, str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in tensors.items()]
+    header = json.dumps({"settings": {n: getattr(cfg, n) for n in MODEL_SETTINGS}, **(meta or {"tokenizer_sha256": ""}),
+                         "tensors": layout}, separators=(",", ":")).encode()
     body = b"".join(t.contiguous().numpy().tobytes() for t in tensors.values())
     return PAYLOAD_MAGIC + struct.pack("<I", len(header)) + header + body
 
@@ -2506,9 +2538,9 @@ def decompress(blob: bytes) -> bytes:
         raise
 
 
-def serialize(model: GPT, cfg: Hyperparameters, tokenizer: str, hessians: dict | None = None) -> tuple[bytes, str]:
+def serialize(model: GPT, cfg: Hyperparameters, meta: dict, hessians: dict | None = None) -> tuple[bytes, str]:
     """The artifact of a model (quantize_state, pack_tensors, compress): (its bytes, the coder that won)."""
-    return compress(pack_tensors(quantize_state(model.state_dict(), cfg, hessians), cfg, tokenizer), cfg.compressor)
+    return compress(pack_tensors(quantize_state(model.state_dict(), cfg, hessians), cfg, meta), cfg.compressor)
 
 
 def deserialize(blob: bytes) -> tuple[dict, dict[str, Tensor]]:
@@ -2929,13 +2961,21 @@ def validation_scorer(cfg: Hyperparameters, rt: Runtime, log: Logger, tokenizer:
     val_files = shard_files(cfg.data_path, "val")
     val_tokens = torch.from_numpy(np.concatenate([np.asarray(open_shard(f, cfg.vocab_size)) for f in val_files])
                                   .astype(np.int64))
+    val_bytes = val_byte_sidecar(cfg.data_path, val_tokens.numel())
+    if val_bytes is None and sp.piece_to_id(CASEOPS_TITLE) != sp.unk_id():  # its pieces' bytes are not the text's
+        raise ValueError(f"TOKENIZER_PATH is a CaseOps tokenizer, and DATA_PATH has no byte sidecar "
+                         "(fineweb_val_bytes_*.bin, which data/make_caseops.py writes) to score the original text")
+    counts, manifest = {"docs": int((val_tokens == BOS_ID).sum()), "tokens": val_tokens.numel()}, val_manifest(cfg.data_path)
+    for key, want in manifest[0].items():  # a partial validation set, or one that leaked into training
+        if want is not None and want != counts[key]:
+            raise ValueError(f"the val shards hold {counts[key]} {key}, {manifest[1]} says {want}")
     check_tokenizer(sp, val_tokens.numpy(), val_files[0])
     if not cfg.eval_only:
         train_file = shard_files(cfg.data_path, "train")[0]
         check_tokenizer(sp, open_shard(train_file, cfg.vocab_size), train_file)
-    scorer = Scorer(cfg, rt, val_tokens, luts, log)
-    log(f"val_tokens:{val_tokens.numel()} val_docs:{int((val_tokens == BOS_ID).sum())} "
-        f"scored_targets:{val_tokens.numel() - 1} eval_batch_seqs:{scorer.batch_seqs}")
+    scorer = Scorer(cfg, rt, val_tokens, luts, log, val_bytes)
+    log(f"val_tokens:{counts['tokens']} val_docs:{counts['docs']} scored_targets:{val_tokens.numel() - 1} "
+        f"eval_batch_seqs:{scorer.batch_seqs} byte_rule:{scorer.byte_rule} manifest:{manifest[1] or 'none'}")
     sample = is_sample_shard(val_files[0])
     if sample:
         log("sample_data: the offline sample (data/make_sample.py): scores are not comparable to FineWeb scores")
@@ -2982,11 +3022,11 @@ def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: 
     return model, hessians, train_ms, 0
 
 
-def export(cfg: Hyperparameters, rt: Runtime, log: Logger, model: GPT, hessians: dict | None, tokenizer: str) -> None:
+def export(cfg: Hyperparameters, rt: Runtime, log: Logger, model: GPT, hessians: dict | None, meta: dict) -> None:
     """Rank 0 writes the artifact to ARTIFACT_PATH; every rank returns once it is on disk."""
     if rt.is_main:
         t0 = time.perf_counter()
-        blob, coder = serialize(model, cfg, tokenizer, hessians)
+        blob, coder = serialize(model, cfg, meta, hessians)
         write_atomic(Path(cfg.artifact_path), blob)
         log(f"Serialized model int6+{coder}: {len(blob)} bytes export_time:{1000 * (time.perf_counter() - t0):.0f}ms")
     if _distributed():
@@ -3074,7 +3114,7 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
         model, hessians, train_ms, stopped_by = train(cfg, rt, log, scorer, ckpt, tokenizer)
         if stopped_by:
             return 128 + stopped_by  # the shell's convention for a process ended by a signal
-        export(cfg, rt, log, model, hessians, tokenizer)
+        export(cfg, rt, log, model, hessians, dict(tokenizer_sha256=tokenizer, byte_rule=scorer.byte_rule))
         del model
     artifact = Path(cfg.eval_only or cfg.artifact_path)
     header, tensors = stored or read_artifact(artifact)  # the file, not the model in memory, is what is scored

@@ -181,10 +181,10 @@ def spawn(fn, world_size: int, *args):
         return [results[r] for r in range(world_size)]
 
 
-def make_scorer(cfg, tokens, luts, batch_seqs: int = 4, rank: int = 0, world_size: int = 1):
+def make_scorer(cfg, tokens, luts, batch_seqs: int = 4, rank: int = 0, world_size: int = 1, val_bytes=None):
     """A Scorer of `batch_seqs` windows per forward on `rank` of `world_size` (VAL_BATCH_SIZE set to match)."""
     cfg = dataclasses.replace(cfg, val_batch_size=batch_seqs * world_size * cfg.eval_seq_len)
-    scorer = tg.Scorer(cfg, tg.Runtime(rank, world_size, rank), tokens, luts)
+    scorer = tg.Scorer(cfg, tg.Runtime(rank, world_size, rank), tokens, luts, val_bytes=val_bytes)
     assert scorer.batch_seqs == batch_seqs
     return scorer
 
