@@ -262,7 +262,7 @@ class Hyperparameters:
     def unread(self, explicit: set[str]) -> list[str]:
         """Warnings, once a checkpoint's or artifact's settings are adopted, for settings in `explicit` (field names)
         that these settings do not read, and for a step-capped warmdown longer than the run."""
-        out = [f"setting {n.upper()} {self.ignored(n)}" for n in SETTINGS if n in explicit and self.ignored(n)]
+        out = [f"setting {n.upper()} {why}" for n in SETTINGS if n in explicit and (why := self.ignored(n))]
         if self.max_wallclock_seconds == 0 and self.warmdown_iters > self.iterations:
             out.append(f"WARMDOWN_ITERS={self.warmdown_iters} > ITERATIONS={self.iterations} (a step-capped run): "
                        f"the lr starts at {self.iterations / self.warmdown_iters:.3f} of its peak")
@@ -360,7 +360,7 @@ def adopt_settings(cfg: Hyperparameters, stored: dict, names: tuple[str, ...], e
                    source: str) -> tuple[Hyperparameters, list[str]]:
     """cfg with the settings `names` of an artifact or checkpoint (`stored`); one the environment sets (`explicit`)
     keeps its value, with a warning, or an error for a model setting (another model). Returns (config, warnings)."""
-    unknown, missing = set(stored) - {f.name for f in fields(cfg)}, set(names) - set(stored)
+    unknown, missing = set(stored) - set(SETTINGS), set(names) - set(stored)
     if unknown or missing:
         raise ValueError(f"{source} was made by another version of train_gpt.py (settings unknown here: "
                          f"{sorted(unknown)}, missing: {sorted(missing)})")
@@ -1934,7 +1934,8 @@ class Scorer:
                 log(f"{progress}:{done[k]}/{done[-1]} rank0_bpb_so_far:{loss_and_bpb(sums.tolist())[1]:.4f} "
                     f"time:{now_ms(rt.device) - t0:.0f}ms")
         all_reduce_sum_(sums)
-        (loss, bpb), (_, ntok, nbytes) = loss_and_bpb(sums.tolist()), sums.tolist()
+        totals = sums.tolist()
+        (loss, bpb), (_, ntok, nbytes) = loss_and_bpb(totals), totals
         return Score(loss, bpb, int(ntok), int(nbytes), now_ms(rt.device) - t0, compile_ms)
 
     def __call__(self, model: GPT, stride: int, per_doc: bool = False) -> Score:
@@ -2922,8 +2923,8 @@ def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[st
     else:
         log(f"device name:cpu threads:{torch.get_num_threads()}")
     log(f"world_size:{rt.world_size}")
-    for f in sorted(fields(cfg), key=lambda f: f.name):
-        log(f"setting {f.name}:{getattr(cfg, f.name)}", console=False)
+    for n in sorted(SETTINGS):
+        log(f"setting {n}:{getattr(cfg, n)}", console=False)
     for w in warnings:
         log(f"warning {w}")
     log(rt.describe())
@@ -2963,7 +2964,7 @@ def validation_scorer(cfg: Hyperparameters, rt: Runtime, log: Logger, tokenizer:
                                   .astype(np.int64))
     val_bytes = val_byte_sidecar(cfg.data_path, val_tokens.numel())
     if val_bytes is None and sp.piece_to_id(CASEOPS_TITLE) != sp.unk_id():  # its pieces' bytes are not the text's
-        raise ValueError(f"TOKENIZER_PATH is a CaseOps tokenizer, and DATA_PATH has no byte sidecar "
+        raise ValueError("TOKENIZER_PATH is a CaseOps tokenizer, and DATA_PATH has no byte sidecar "
                          "(fineweb_val_bytes_*.bin, which data/make_caseops.py writes) to score the original text")
     counts, manifest = {"docs": int((val_tokens == BOS_ID).sum()), "tokens": val_tokens.numel()}, val_manifest(cfg.data_path)
     for key, want in manifest[0].items():  # a partial validation set, or one that leaked into training
@@ -3060,10 +3061,10 @@ def main() -> int:
     # the readable source: this file, or what the shipped stub (shipped_code) unpacked before running it
     code = globals().get("READABLE_SOURCE") or Path(__file__).read_text(encoding="utf-8")
     cfg, warnings = Hyperparameters.from_env()
-    explicit = {f.name for f in fields(cfg) if f.name.upper() in os.environ}
+    explicit = {n for n in SETTINGS if n.upper() in os.environ}
     ckpt = read_checkpoint(cfg.resume) if cfg.resume else None
     if ckpt is not None:  # the checkpoint's settings, except what names this run
-        names = tuple(f.name for f in fields(cfg) if f.name not in ("run_id", "resume", "eval_only", "artifact_path"))
+        names = tuple(n for n in SETTINGS if n not in ("run_id", "resume", "eval_only", "artifact_path"))
         cfg, more = adopt_settings(cfg, ckpt["settings"], names, explicit, f"checkpoint {cfg.resume}")
         warnings += more
     stored = read_artifact(cfg.eval_only) if cfg.eval_only else None
