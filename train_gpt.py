@@ -72,11 +72,13 @@ def S(default, meaning: str, allowed: str | tuple = "", model: bool = False, on:
 @dataclass(frozen=True)
 class Hyperparameters:
     # --- run / data
-    data_path: str = S("./data/datasets/fineweb10B_sp1024", "folder of fineweb_{train,val}_*.bin shards")
-    tokenizer_path: str = S("./data/tokenizers/fineweb_1024_bpe.model", "SentencePiece model (val_bpb bytes)")
+    data_path: str = S("./data/datasets/fineweb10B_sp8192_lossless_caps_caseops_v1_reserved", "folder of "
+                       "fineweb_{train,val}_*.bin shards (and fineweb_val_bytes_*.bin: each val token's bytes)")
+    tokenizer_path: str = S("./data/tokenizers/fineweb_8192_bpe_lossless_caps_caseops_v1_reserved.model",
+                            "SentencePiece model (val_bpb's bytes too, without fineweb_val_bytes_*.bin)")
     run_id: str = S("", "log logs/<RUN_ID>.txt (letters, digits, -_.); empty = random; a taken one gets a suffix")
     seed: int = S(1337, "torch/numpy seed: init and nothing else (data order is fixed)", (0, 2 ** 32 - 1))
-    vocab_size: int = S(1024, "must equal the tokenizer's vocabulary (shards store uint16 ids)", (1, 65536), True)
+    vocab_size: int = S(8192, "must equal the tokenizer's vocabulary (shards store uint16 ids)", (1, 65536), True)
     device: str = S("auto", "auto = cuda if available, else cpu", ("auto", "cuda", "cpu"))
     eval_only: str = S("", "path of an existing artifact: skip training, score it (the model settings are its own)")
     artifact_path: str = S("", "where the artifact is written (its folder must exist); empty = logs/<RUN_ID>.int6.ptz")
@@ -86,7 +88,10 @@ class Hyperparameters:
     # --- schedule
     iterations: int = S(20000, "max optimizer steps", NON_NEGATIVE)
     warmup_steps: int = S(20, "compile warmup steps, then weights/optimizer/data are restored", NON_NEGATIVE)
-    warmdown_iters: int = S(3500, "linear lr decay length, converted to wallclock when capped", NON_NEGATIVE)
+    warmdown_frac: float = S(0.85, "linear lr decay over this last fraction of the run (steps, or the wallclock cap)",
+                             (0, 1), on="warmdown_iters=0")
+    warmdown_iters: int = S(0, "the reference's form instead: over the last N steps (as many average steps when "
+                            "capped); 0 = WARMDOWN_FRAC", NON_NEGATIVE)
     max_wallclock_seconds: float = S(600.0, "training cap (0 = by steps); a step starts only if CAP_MARGIN fits",
                                      NON_NEGATIVE)
     train_batch_tokens: int = S(786432, "global tokens per optimizer step", POSITIVE)
@@ -102,7 +107,7 @@ class Hyperparameters:
     model_dim: int = S(512, "residual width", POSITIVE, True)
     num_heads: int = S(8, "query heads (head dim = MODEL_DIM / NUM_HEADS)", POSITIVE, True)
     num_kv_heads: int = S(4, "GQA", POSITIVE, True)
-    mlp_mult: float = S(3.0, "MLP hidden = MLP_MULT * MODEL_DIM", POSITIVE, True)
+    mlp_mult: float = S(4.0, "MLP hidden = MLP_MULT * MODEL_DIM", POSITIVE, True)
     mlp_negative_slope: float = S(0.5, "LeakyReLU(slope)^2 MLP; 0 = relu^2", NON_NEGATIVE, True)
     tie_embeddings: bool = S(True, "output head = token embedding", model=True)
     tied_embed_init_std: float = S(0.005, "token embedding init std", NON_NEGATIVE)
@@ -110,20 +115,22 @@ class Hyperparameters:
                          True)
     rope_dims: int = S(16, "partial RoPE: rotate the first ROPE_DIMS of each head (even, <= head dim)", model=True)
     logit_softcap: float = S(30.0, "tanh softcap on logits (0 = off)", NON_NEGATIVE, True)
-    qk_gain_init: float = S(1.5, "per-head query gain after q/k RMSNorm")
+    qk_gain_init: float = S(5.0, "per-head query gain after q/k RMSNorm")
     ln_scale: bool = S(True, "scale block inputs by 1/sqrt(layer+1)", model=True)
     xsa_last_n: int = S(11, "exclusive self-attention on the last N layers", NON_NEGATIVE, True)
-    bigram_vocab_size: int = S(1536, "BigramHash buckets (0 = off)", NON_NEGATIVE, True)
+    bigram_vocab_size: int = S(0, "BigramHash buckets (0 = off)", NON_NEGATIVE, True)
     bigram_dim: int = S(128, "BigramHash table width (projected to MODEL_DIM)", POSITIVE, True, "bigram_vocab_size")
     smear_enabled: bool = S(True, "SmearGate on the embedding", model=True)
-    ve_enabled: bool = S(True, "shared value embedding added to V", model=True)
+    ve_enabled: bool = S(False, "shared value embedding added to V", model=True)
     ve_dim: int = S(128, "value-embedding table width (projected to the KV width)", POSITIVE, True, "ve_enabled")
     ve_layers: str = S("-2,-1", "comma-separated layers; negative ones count back from NUM_LAYERS (-1: the last)",
                        model=True, on="ve_enabled")
-    num_loops: int = S(0, "depth recurrence: LOOP_START..LOOP_END run NUM_LOOPS more times (0 = off)", NON_NEGATIVE,
+    num_loops: int = S(2, "depth recurrence: LOOP_START..LOOP_END run NUM_LOOPS more times (0 = off)", NON_NEGATIVE,
                        True)
-    loop_start: int = S(3, "first layer of the looped segment", NON_NEGATIVE, True, "num_loops")
-    loop_end: int = S(5, "last layer of the looped segment (inclusive)", NON_NEGATIVE, True, "num_loops")
+    loop_start: int = S(3, "first layer of the looped segment (a shallower model: clamped, as LOOP_END)",
+                        NON_NEGATIVE, True, "num_loops")
+    loop_end: int = S(5, "last layer of the looped segment (inclusive; NUM_LAYERS - 1 at most)", NON_NEGATIVE, True,
+                      "num_loops")
     enable_looping_at: float = S(0.35, "training progress at which the repeats start (scoring always runs them)",
                                  FRACTION, on="num_loops")
     # The 2026-04-27 record's lanes, gates and optimizer settings (below, on by default) together: -0.033 bpb on
@@ -139,16 +146,16 @@ class Hyperparameters:
     gate_window: int = S(12, "leading channels of the normed attention input h the gate reads", POSITIVE, True,
                          "sparse_attn_gate_enabled")
     smear_bos_fix: bool = S(True, "SmearGate mixes nothing into a document's BOS from the one before", model=True)
-    doc_isolation: bool = S(False, "nothing crosses a BOS: block-diagonal attention, BigramHash (train and score)",
+    doc_isolation: bool = S(True, "nothing crosses a BOS: block-diagonal attention, BigramHash (train and score)",
                             model=True)
-    attn_backend: str = S("auto", "auto = fa3 if importable, else SDPA cudnn (CUDA) / math (CPU); varlen: "
-                          "DOC_ISOLATION on CUDA", ("auto", "fa3", "flash", "cudnn", "math", "varlen"))
+    attn_backend: str = S("auto", "auto on CUDA: varlen to train with DOC_ISOLATION, else fa3 if importable, else "
+                          "SDPA cudnn; math on CPU", ("auto", "fa3", "flash", "cudnn", "math", "varlen"))
     kernels: str = S("auto", "q/k norm+RoPE, XSA, softcap CE: auto = triton on CUDA, torch ops on CPU (triton there "
                      "needs TRITON_INTERPRET=1)", ("auto", "triton", "torch"))
     # --- optimizer
-    matrix_lr: float = S(0.025, "Muon lr for the four banks", NON_NEGATIVE)
-    scalar_lr: float = S(0.025, "AdamW lr for control tensors and small projections", NON_NEGATIVE)
-    tied_embed_lr: float = S(0.035, "AdamW lr for token/bigram/value-embedding tables (tied head)", NON_NEGATIVE)
+    matrix_lr: float = S(0.026, "Muon lr for the four banks", NON_NEGATIVE)
+    scalar_lr: float = S(0.02, "AdamW lr for control tensors and small projections", NON_NEGATIVE)
+    tied_embed_lr: float = S(0.03, "AdamW lr for token/bigram/value-embedding tables (tied head)", NON_NEGATIVE)
     embed_lr: float = S(0.6, "table lr when embeddings are untied", NON_NEGATIVE)
     head_lr: float = S(0.008, "untied lm_head lr", NON_NEGATIVE)
     muon_momentum: float = S(0.97, "Muon Nesterov momentum after warmup", FRACTION)
@@ -157,47 +164,54 @@ class Hyperparameters:
     muon_backend_steps: int = S(5, "Newton-Schulz iterations", POSITIVE)
     muon_polar_express: bool = S(True, "Polar Express: per-iteration NS coefficients (the last repeats past 5)")
     muon_row_normalize: bool = S(True, "MuonEq-R: each row of the update divided by its norm before NS")
-    muon_wd: float = S(0.04, "decoupled weight decay on the banks", NON_NEGATIVE)
+    muon_wd: float = S(0.095, "decoupled weight decay on the banks", NON_NEGATIVE)
     min_lr: float = S(0.1, "floor of the lr scale in the warmdown (must stay below LATE_QAT_THRESHOLD)", FRACTION)
     muon_reduce_dtype: str = S("auto", "bank grad reduce-scatter, momentum and NS dtype: auto = bf16 CUDA, fp32 CPU",
                                ("auto", "bf16", "fp32"))
-    adam_wd: float = S(0.04, "AdamW weight decay of the control tensors and small projections", NON_NEGATIVE)
-    embed_wd: float = S(0.04, "AdamW weight decay of the embedding tables (not the untied head)", NON_NEGATIVE)
+    adam_wd: float = S(0.02, "AdamW weight decay of the control tensors and small projections", NON_NEGATIVE)
+    embed_wd: float = S(0.085, "AdamW weight decay of the embedding tables (not the untied head)", NON_NEGATIVE)
     beta1: float = S(0.9, "AdamW beta1", FRACTION)
     beta2: float = S(0.99, "AdamW beta2", FRACTION)
     adam_eps: float = S(1e-8, "AdamW epsilon", POSITIVE)
     grad_clip_norm: float = S(0.3, "clip by the global norm of the reduced gradient (0 = off)", NON_NEGATIVE)
     # --- averaging / QAT
     ema_enabled: bool = S(True, "keep an EMA of all weights and export it")
-    ema_horizon: float = S(0.08, "EMA time constant, a fraction of the run (steps, or the wallclock cap)", NON_NEGATIVE,
-                           on="ema_enabled")
-    ema_decay: float = S(0.0, "fixed per-step decay instead (the reference's 0.997); 0 = from EMA_HORIZON", FRACTION,
+    ema_decay: float = S(0.9965, "fixed per-step decay (the reference's 0.997); 0 = from EMA_HORIZON", FRACTION,
                          on="ema_enabled")
-    late_qat_threshold: float = S(0.15, "fake-quantize banks to int6 once lr scale < this (0 = off)", (0, 1))
+    ema_horizon: float = S(0.08, "EMA time constant, a fraction of the run (steps, or the wallclock cap)", NON_NEGATIVE,
+                           on="ema_decay=0")
+    late_qat_threshold: float = S(0.0, "fake-quantize banks to int6 once lr scale < this (0 = off)", (0, 1))
     # --- eval / logging / export
     eval_seq_len: int = S(2048, "sliding-window scoring window", POSITIVE)
     eval_stride: int = S(64, "tokens scored per window (after the first)", POSITIVE)
     sliding_eval_enabled: bool = S(True, "the EVAL_STRIDE sliding scores (7.7 + 2.4 s on the proxy, H200); 0 (needs "
                                    "TTT): skip")
-    val_loss_every: int = S(4000, "plain val scoring every N steps (0 = only at the end)", NON_NEGATIVE)
+    val_loss_every: int = S(0, "plain val scoring every N steps (0 = only at the end)", NON_NEGATIVE)
     val_batch_size: int = S(524288, "scoring tokens per forward over all ranks x grad-accum slots", POSITIVE)
     train_log_every: int = S(500, "train_loss line every N steps (and the first 10)", NON_NEGATIVE)
     compressor: str = S("rans", "rans (context-modelled rANS, the smallest) | fast (zstd-3 for sweeps: 0.2 s)",
                         ("rans", "fast"))
-    int6_scale_floor: float = S(1 / 31, "floor on int6 row scales: coarsens tiny rows, compresses better")
-    matrix_clip_sigmas: float = S(0.0, "bank row scale = k * std(row) / 31 (SD clip); 0 = the clip search",
+    int6_scale_floor: float = S(2.0 ** -14, "floor on int6 row scales (1/31 coarsens tiny rows, compresses better)")
+    matrix_clip_sigmas: float = S(12.85, "bank row scale = k * std(row) / 31 (SD clip); 0 = the clip search",
                                   NON_NEGATIVE)
-    mlp_clip_sigmas: float = S(0.0, "SD clip k of the MLP matrices; 0 = MATRIX_CLIP_SIGMAS", NON_NEGATIVE)
-    attn_clip_sigmas: float = S(0.0, "SD clip k of the attention matrices; 0 = MATRIX_CLIP_SIGMAS", NON_NEGATIVE)
-    embed_bits: int = S(8, "bits of the big tables' codes (EMBED_TABLES, an untied head)", (4, 8))
-    gptq_calibration_batches: int = S(0, "GPTQ's X^T X from this many train micro-batches per rank (0 = off)",
+    mlp_clip_sigmas: float = S(11.5, "SD clip k of the MLP matrices; 0 = MATRIX_CLIP_SIGMAS", NON_NEGATIVE)
+    attn_clip_sigmas: float = S(13.0, "SD clip k of the attention matrices; 0 = MATRIX_CLIP_SIGMAS", NON_NEGATIVE)
+    embed_bits: int = S(7, "bits of the big tables' codes (EMBED_TABLES, an untied head)", (4, 8))
+    embed_clip_sigmas: float = S(14.0, "their row scale = k * std(row) / (2^(EMBED_BITS-1) - 1); 0 = |w| quantile "
+                                 "clip", NON_NEGATIVE)
+    lqer_enabled: bool = S(True, "LQER: the quantization error's rank-LQER_RANK SVD stored for the worst matrices")
+    lqer_rank: int = S(4, "rank of each correction A B (A int2, B int4)", POSITIVE, on="lqer_enabled")
+    lqer_top_k: int = S(3, "the matrices corrected: largest error norm ||W - Q||_F first", POSITIVE, on="lqer_enabled")
+    lqer_asym_group: int = S(64, "B's int4 scale group (one that does not divide B: A and B int4 per row)", POSITIVE,
+                             on="lqer_enabled")
+    gptq_calibration_batches: int = S(16, "GPTQ's X^T X from this many train micro-batches per rank (0 = off)",
                                       NON_NEGATIVE)
     gptq_reserve_seconds: float = S(0.0, "training stops this much before the wallclock cap, for the calibration",
                                     NON_NEGATIVE)
     auto_size: float = S(0.0, "MLP width (or bigram table, MLP_MULT set) filling this fraction of the limit (0 = off)",
                          FRACTION)
     # --- legal test-time training (score first, then train; after the final scoring)
-    ttt_enabled: bool = S(False, "run legal TTT on the read-back artifact and log legal_ttt")
+    ttt_enabled: bool = S(True, "run legal TTT on the read-back artifact and log legal_ttt")
     # lora gained 0.0089 / 0.0081 on the defaults' pqb artifacts (seeds 1337 / 42), sgd 0.0011 on the first
     ttt_mode: str = S("lora", "lora: per-document LoRA adapters; sgd: full-parameter SGD over the stream's chunks",
                       ("sgd", "lora"), on="ttt_enabled")
@@ -256,7 +270,7 @@ class Hyperparameters:
         key, _, mode = on.partition("=")
         value, why = getattr(self, key), self.ignored(key)
         if why or mode:
-            return why or ("" if value == mode else f"is {key.upper()}={mode}'s; {key.upper()}={value} ignores it")
+            return why or ("" if value == type(value)(mode) else f"is {key.upper()}={mode}'s; {key.upper()}={value} ignores it")
         return "" if value else f"is ignored: {key.upper()}={value} turns its feature off"
 
     def unread(self, explicit: set[str]) -> list[str]:
@@ -300,8 +314,7 @@ class Hyperparameters:
              "VE_LAYERS outside -NUM_LAYERS..NUM_LAYERS-1")
         need(len(set(self.ve_layer_list)) == len(self.ve_layer_list), f"VE_LAYERS={self.ve_layers} names a layer twice")
         need(not self.ema_enabled or self.ema_horizon > 0 or self.ema_decay > 0, "EMA_HORIZON must be > 0 (or set EMA_DECAY)")
-        need(self.num_loops == 0 or self.loop_start <= self.loop_end < self.num_layers,
-             "LOOP_START..LOOP_END must be layers in 0..NUM_LAYERS-1 (with NUM_LOOPS > 0)")
+        need(self.num_loops == 0 or self.loop_start <= self.loop_end, "LOOP_START must be <= LOOP_END")
         for looping in (False, True):  # once two lanes, always two: a serial layer after them has no one residual
             lanes = parallel_positions(self, looping)
             need(lanes == sorted(lanes), f"PARALLEL_START_LAYER={self.parallel_start_layer} puts a serial layer "
@@ -333,6 +346,12 @@ class Hyperparameters:
         """The first parallel layer; NUM_LAYERS when there is none (off, or the default past a shallow model's depth)."""
         P = self.parallel_start_layer
         return P if 0 < P < self.num_layers else self.num_layers
+
+    @property
+    def loop_layers(self) -> tuple[int, int]:
+        """LOOP_START..LOOP_END within the depth (the default 3..5 is 1..1 of a 2-layer model)."""
+        end = min(self.loop_end, self.num_layers - 1)
+        return min(self.loop_start, end), end
 
     @property
     def ve_layer_list(self) -> list[int]:  # 0..NUM_LAYERS-1 (the default -2,-1: 9,10 of 11, the records')
@@ -393,7 +412,7 @@ def layer_matrix(banks: dict[str, Tensor], name: str, i: int, num_layers: int) -
 def layer_order(cfg: Hyperparameters, looping: bool) -> list[int]:
     """The layer at each position of the stack (the first half: the U-Net encoder); looping, LOOP_START..LOOP_END
     runs 1 + NUM_LOOPS times (the 04-27 record: 3..5 three times, 17 positions)."""
-    L, a, b = cfg.num_layers, cfg.loop_start, cfg.loop_end
+    L, (a, b) = cfg.num_layers, cfg.loop_layers
     if not (looping and cfg.num_loops > 0):
         return list(range(L))
     return list(range(a)) + list(range(a, b + 1)) * (cfg.num_loops + 1) + list(range(b + 1, L))
@@ -458,7 +477,8 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
         attn = cfg.attn_backend
     else:  # cuDNN SDPA (native GQA) ran fwd+bwd in 2.40 ms vs 3.71 for SDPA flash at the record micro-batch (H200)
         import importlib.util
-        attn = ("fa3" if importlib.util.find_spec("flash_attn_interface") else "cudnn") if cuda else "math"
+        fa3 = importlib.util.find_spec("flash_attn_interface")
+        attn = ("varlen" if cfg.doc_isolation and not cfg.eval_only else "fa3" if fa3 else "cudnn") if cuda else "math"
     # DOC_ISOLATION's rows that cross documents need a mask (varlen's sized by TrainLoader); scoring rows do not
     sgd = cfg.ttt_enabled and cfg.ttt_mode == "sgd" and cfg.ttt_epochs > 0
     if cfg.doc_isolation and (sgd or not cfg.eval_only) and attn not in (("math",) if sgd else ("math", "varlen")):
@@ -852,7 +872,7 @@ class Optimizers:
 # ===== Data: challenge shards, memory-mapped; every rank/accum split sees the same global batch =====
 
 SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 1024
-GET_DATA = ("get FineWeb with `python3 data/cached_challenge_fineweb.py --variant sp1024` (network), or run "
+GET_DATA = ("get FineWeb with `python3 data/cached_challenge_fineweb.py --variant sp8192_caseops` (network), or run "
             "`bash data/quickstart.sh` for the offline sample")
 SAMPLE_MARK = 0x504D4153  # header word 3 of the shards data/make_sample.py writes (b"SAMP"; FineWeb's hold 0)
 BOS_ID = 1  # every document of a shard starts with it: the challenge tokenizers' <s>
@@ -2184,18 +2204,49 @@ def clip_sigmas(cfg: Hyperparameters, matrix: str) -> float:
     return own if own > 0 else cfg.matrix_clip_sigmas
 
 
-def quantize_matrix(w_RC: Tensor, sigmas: float, floor: float, h_CC: Tensor | None) -> tuple[Tensor, Tensor]:
-    """A bank matrix as int6 codes and fp16 row scales: the scale by SD clip k (`sigmas`, the records' rule) or the
-    clip search (0); the codes rounded, or GPTQ'd given its H."""
+def quantize_matrix(w_RC: Tensor, sigmas: float, floor: float, h_CC: Tensor | None, qmax: int = INT6_MAX,
+                    quantiles: tuple[float, ...] = CLIP_QUANTILES) -> tuple[Tensor, Tensor]:
+    """A matrix as codes in -qmax..qmax and fp16 row scales: the scale by SD clip k (`sigmas`, the records' rule) or
+    the clip search over `quantiles` (0); the codes rounded, or GPTQ'd given its H."""
     if sigmas > 0:
         clip = sigmas * w_RC.std(dim=1)
-        scale = grid_scale(clip, INT6_MAX, floor)
-        codes = grid_codes(w_RC, clip, scale, INT6_MAX).to(torch.int8)
+        scale = grid_scale(clip, qmax, floor)
+        codes = grid_codes(w_RC, clip, scale, qmax).to(torch.int8)
     else:
-        codes, scale = quantize_rows(w_RC, INT6_MAX, CLIP_QUANTILES, floor)
+        codes, scale = quantize_rows(w_RC, qmax, quantiles, floor)
     if h_CC is not None:
-        codes = gptq_codes(w_RC, h_CC, scale.float(), INT6_MAX)
+        codes = gptq_codes(w_RC, h_CC, scale.float(), qmax)
     return codes, scale.half()
+
+
+LQER_A_MAX, LQER_B_MAX = 1.5, 7.5  # the scales' divisors: A's codes -2..1, B's -8..7 (the records' asymmetric form)
+LQER_ROW_MAX = 7  # the fallback: A and B int4 per row, -7..7
+
+
+def lqer_factors(err_RC: Tensor, rank: int, group: int) -> dict[str, Tensor]:
+    """LQER (low-rank quantization error reconstruction): the top-`rank` SVD of a matrix's quantization error,
+    E ~ A B with A = U S (R x r) and B = V^T (r x C), stored coarsely: A int2 with one scale max|A| / 1.5, B int4 in
+    groups of `group` (flattened) with scales max|group| / 7.5; both int4 per row (max|row| / 7) if `group` does not
+    divide B. Returns lqA, lqAs, lqB, lqBs (codes int8, scales fp16); lqer_delta inverts it."""
+    u, sv, vh = torch.linalg.svd(err_RC.float(), full_matrices=False)
+    r = min(rank, sv.numel())
+    a, b = u[:, :r] * sv[:r], vh[:r]
+    if b.numel() % group == 0:
+        parts = ((a.reshape(1, -1), -2, 1, LQER_A_MAX), (b.reshape(-1, group), -8, 7, LQER_B_MAX))
+    else:
+        parts = ((a, -LQER_ROW_MAX, LQER_ROW_MAX, LQER_ROW_MAX), (b, -LQER_ROW_MAX, LQER_ROW_MAX, LQER_ROW_MAX))
+    out = {}
+    for key, t, (g, lo, hi, div) in zip(("A", "B"), (a, b), parts):
+        scale = (g.abs().amax(dim=1).clamp_min(1e-10) / div).half()
+        out[f"lq{key}"] = torch.clamp(torch.round(g / scale.float()[:, None]), lo, hi).to(torch.int8).reshape(t.shape)
+        out[f"lq{key}s"] = scale
+    return out
+
+
+def lqer_delta(f: dict[str, Tensor]) -> Tensor:
+    """A B of lqer_factors' tensors: each scale covers an equal run of its codes (a row, a group, or all)."""
+    dq = lambda q, s: (q.float().reshape(s.numel(), -1) * s.float()[:, None]).reshape(q.shape)
+    return dq(f["lqA"], f["lqAs"]) @ dq(f["lqB"], f["lqBs"])
 
 
 def bank_matrix_names(num_layers: int) -> dict[str, tuple[str, int]]:
@@ -2209,8 +2260,9 @@ def storage(name: str, t: Tensor, banked: dict) -> str:
 
 def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dict | None = None) -> dict[str, Tensor]:
     """The artifact's tensors: bank matrices int6 (`hessians`: GPTQ, the output head too), the big tables
-    EMBED_BITS, the rest fp16. On the CPU: the same bytes from any device."""
-    out, banked = {}, bank_matrix_names(cfg.num_layers)
+    EMBED_BITS, the rest fp16; LQER's factors for the LQER_TOP_K coded matrices of the largest error. On the CPU: the
+    same bytes from any device."""
+    out, errors, banked = {}, {}, bank_matrix_names(cfg.num_layers)
     for name, t in unbank(state, cfg.num_layers).items():
         t, kind = t.detach().float().cpu(), storage(name, t, banked)
         if kind == "q6":
@@ -2218,12 +2270,17 @@ def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dic
             sigmas = clip_sigmas(cfg, banked[name][0])
             out[name + ".q6"], out[name + ".scale"] = quantize_matrix(t, sigmas, cfg.int6_scale_floor, h)
         elif kind == "q8":  # the output head (tok_emb when tied) GPTQ'd on the final hidden states' H
-            qmax = 2 ** (cfg.embed_bits - 1) - 1
-            out[name + ".q8"], out[name + ".scale"] = quantize_rows(t, qmax, (INT8_CLIP_QUANTILE,), 1 / qmax)
-            if hessians is not None and name == ("tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight"):
-                out[name + ".q8"] = gptq_codes(t, hessians["head", 0].cpu(), out[name + ".scale"].float(), qmax)
+            qmax, k = 2 ** (cfg.embed_bits - 1) - 1, cfg.embed_clip_sigmas
+            head = hessians is not None and name == ("tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight")
+            out[name + ".q8"], out[name + ".scale"] = quantize_matrix(
+                t, k, 2.0 ** -14 if k > 0 else 1 / qmax, hessians["head", 0].cpu() if head else None, qmax,
+                (INT8_CLIP_QUANTILE,))
         else:
             out[name + ".f16"] = t.half()
+        if kind != "f16" and cfg.lqer_enabled:
+            errors[name] = t - out[name + "." + kind].float() * out[name + ".scale"].float()[:, None]
+    for name in sorted(errors, key=lambda n: -errors[n].norm().item())[: cfg.lqer_top_k if cfg.lqer_enabled else 0]:
+        out.update({f"{name}.{k}": v for k, v in lqer_factors(errors[name], cfg.lqer_rank, cfg.lqer_asym_group).items()})
     return out
 
 
@@ -2305,9 +2362,11 @@ def dequantize_state(packed: dict[str, Tensor], template: dict[str, Tensor], num
         name, kind = key.rsplit(".", 1)
         if kind in ("q6", "q8"):
             flat[name] = t.float() * packed[name + ".scale"].float()[:, None]
+            if name + ".lqA" in packed:
+                flat[name] += lqer_delta({k: packed[f"{name}.{k}"] for k in ("lqA", "lqAs", "lqB", "lqBs")})
         elif kind == "f16":
             flat[name] = t.float()
-        elif kind != "scale":
+        elif kind not in ("scale", "lqA", "lqAs", "lqB", "lqBs"):
             raise ValueError(f"artifact holds an unknown tensor kind: {key}")
     want = unbank(template, num_layers)
     missing, extra = sorted(set(want) - set(flat)), sorted(set(flat) - set(want))
@@ -2636,14 +2695,20 @@ def train_cap_ms(cfg: Hyperparameters) -> float:
 
 
 def lr_scale_at(cfg: Hyperparameters, step: int, elapsed_ms: float) -> float:
-    """Linear warmdown over the last WARMDOWN_ITERS steps, or capped, of wallclock (as many average steps),
-    whichever ends first; floored at MIN_LR."""
-    if cfg.warmdown_iters <= 0:
+    """Linear warmdown, floored at MIN_LR: over the last WARMDOWN_FRAC of the run's progress (by steps or, capped,
+    by the clock, whichever is further), or over the last WARMDOWN_ITERS steps, or capped of wallclock (as many
+    average steps), whichever ends first."""
+    if cfg.warmdown_iters > 0:
+        scale = min(1.0, max(0.0, (cfg.iterations - step) / cfg.warmdown_iters))
+        if cfg.max_wallclock_seconds > 0:
+            warmdown_ms = cfg.warmdown_iters * elapsed_ms / max(step, 1)
+            scale = min(scale, max(train_cap_ms(cfg) - elapsed_ms, 0.0) / max(warmdown_ms, 1e-9))
+    elif cfg.warmdown_frac > 0:
+        cap_ms = train_cap_ms(cfg)
+        progress = max(step / max(cfg.iterations, 1), elapsed_ms / cap_ms if cap_ms > 0 else 0.0)
+        scale = min(1.0, max(0.0, 1.0 - progress) / cfg.warmdown_frac)
+    else:
         return 1.0
-    scale = min(1.0, max(0.0, (cfg.iterations - step) / cfg.warmdown_iters))
-    if cfg.max_wallclock_seconds > 0:
-        warmdown_ms = cfg.warmdown_iters * elapsed_ms / max(step, 1)
-        scale = min(scale, max(train_cap_ms(cfg) - elapsed_ms, 0.0) / max(warmdown_ms, 1e-9))
     return max(scale, cfg.min_lr)
 
 

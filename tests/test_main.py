@@ -253,8 +253,8 @@ def test_errors_are_one_line_logged_too_and_debug_shows_the_traceback(dataset, t
 def test_bare_run_without_data_says_how_to_get_it(tmp_path):
     r = run_script({"DEVICE": "cpu"}, tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "TOKENIZER_PATH ./data/tokenizers/fineweb_1024_bpe.model does not exist" in r.stderr
-    assert "data/cached_challenge_fineweb.py --variant sp1024" in r.stderr and "data/quickstart.sh" in r.stderr
+    assert f"TOKENIZER_PATH {tg.Hyperparameters.tokenizer_path} does not exist" in r.stderr
+    assert "data/cached_challenge_fineweb.py --variant sp8192_caseops" in r.stderr and "data/quickstart.sh" in r.stderr
 
 
 def test_a_missing_artifact_folder_fails_at_the_start(dataset, tokenizer_path, tmp_path):
@@ -328,7 +328,9 @@ def test_doc_isolation_trains_exports_and_scores_again_from_its_artifact(dataset
     assert r.returncode == 0, r.stderr[-3000:]
     trained = (tmp_path / "logs" / "iso.txt").read_text()
     assert "setting doc_isolation:True" in trained
-    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY="logs/iso.int6.ptz", RUN_ID="iso_eval"), tmp_path)
+    env = tiny_env(dataset, tokenizer_path, EVAL_ONLY="logs/iso.int6.ptz", RUN_ID="iso_eval")
+    del env["DOC_ISOLATION"]
+    r = run_script(env, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     evaluated = (tmp_path / "logs" / "iso_eval.txt").read_text()
     assert "setting doc_isolation:True" in evaluated

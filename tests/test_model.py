@@ -244,7 +244,7 @@ def test_doc_isolation_refuses_the_smear_without_its_bos_fix_and_gpu_backends(mo
     assert tg.init_runtime(make_cfg(**tiny, DEVICE="cpu"), {}).attn_backend == "math"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the check comes before any CUDA call
     with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen, .* cudnn"):
-        tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch"), {})
+        tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", ATTN_BACKEND="cudnn"), {})
     with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen"):  # sgd TTT updates
         tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", EVAL_ONLY="a.ptz", TTT_ENABLED=1, TTT_MODE="sgd"), {})
     with pytest.raises(ValueError, match="TTT_MODE=sgd updates on math .* varlen"):  # its rows are not counted

@@ -325,15 +325,19 @@ def test_bad_settings_are_one_clear_error(env, message):
 
 def test_settings_that_would_do_nothing_are_reported():
     explicit = {"ttt_lora_rank", "loop_start", "bigram_dim"}
-    cfg = tg.Hyperparameters(ttt_lora_rank=8, loop_start=2, bigram_vocab_size=0)
+    cfg = tg.Hyperparameters(ttt_enabled=False, num_loops=0, ttt_lora_rank=8, loop_start=2, bigram_vocab_size=0)
     assert cfg.unread(explicit) == ["setting BIGRAM_DIM is ignored: BIGRAM_VOCAB_SIZE=0 turns its feature off",
                                     "setting LOOP_START is ignored: NUM_LOOPS=0 turns its feature off",
                                     "setting TTT_LORA_RANK is ignored: TTT_ENABLED=False turns its feature off"]
-    assert tg.Hyperparameters(ttt_enabled=True).unread(explicit) == [
+    assert tg.Hyperparameters(num_loops=0, bigram_vocab_size=64).unread(explicit) == [
         "setting LOOP_START is ignored: NUM_LOOPS=0 turns its feature off"]  # (a checkpoint's TTT_ENABLED=1)
-    assert tg.Hyperparameters(max_wallclock_seconds=0, iterations=100).unread(set()) == [
+    steps = tg.Hyperparameters(max_wallclock_seconds=0, iterations=100, warmdown_iters=3500)
+    assert steps.unread({"warmdown_frac"}) == [
+        "setting WARMDOWN_FRAC is WARMDOWN_ITERS=0's; WARMDOWN_ITERS=3500 ignores it",
         "WARMDOWN_ITERS=3500 > ITERATIONS=100 (a step-capped run): the lr starts at 0.029 of its peak"]
-    assert tg.Hyperparameters(iterations=100).unread(set()) == []  # capped: the warmdown is by wallclock
+    assert tg.Hyperparameters(iterations=100, warmdown_iters=3500).unread(set()) == []  # capped: by wallclock
+    assert tg.Hyperparameters(ema_decay=0.99).unread({"ema_horizon"}) == [
+        "setting EMA_HORIZON is EMA_DECAY=0's; EMA_DECAY=0.99 ignores it"]
 
 
 def test_a_resumed_run_reports_against_the_checkpoints_settings(baseline, dataset, tokenizer_path, tmp_path):
@@ -343,8 +347,9 @@ def test_a_resumed_run_reports_against_the_checkpoints_settings(baseline, datase
     tr = make_trainer(dataset, tokenizer_path, RUN_ID="t", TTT_ENABLED=1, ITERATIONS=2)
     tr.ckpt_path = tmp_path / "logs" / "t.ckpt"
     tr.save_checkpoint(None, dict(tr.clock, step=2, done=True))
-    r = run_script(tiny_env(dataset, tokenizer_path, RUN_ID="t", RESUME="logs/t.ckpt", TTT_LORA_RANK=4,
-                            ENABLE_LOOPING_AT=0.5), tmp_path)
+    env = tiny_env(dataset, tokenizer_path, RUN_ID="t", RESUME="logs/t.ckpt", TTT_LORA_RANK=4, ENABLE_LOOPING_AT=0.5)
+    del env["TTT_ENABLED"]  # the checkpoint's
+    r = run_script(env, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     log = log_of(tmp_path, "t_2")
     assert "setting ttt_enabled:True" in log and "TTT_LORA_RANK is ignored" not in log

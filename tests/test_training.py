@@ -161,7 +161,23 @@ def test_lr_scale_iteration_mode():
     cfg = make_cfg(ITERATIONS=100, WARMDOWN_ITERS=20, MAX_WALLCLOCK_SECONDS=0, MIN_LR=0)
     for step, want in [(0, 1.0), (50, 1.0), (80, 1.0), (85, 0.75), (90, 0.5), (99, 0.05), (100, 0.0)]:
         assert tg.lr_scale_at(cfg, step, elapsed_ms=123456.0) == pytest.approx(want, abs=1e-12), step
-    assert tg.lr_scale_at(make_cfg(ITERATIONS=100, WARMDOWN_ITERS=0, MAX_WALLCLOCK_SECONDS=0), 99, 0.0) == 1.0
+    off = make_cfg(ITERATIONS=100, WARMDOWN_ITERS=0, WARMDOWN_FRAC=0, MAX_WALLCLOCK_SECONDS=0)
+    assert tg.lr_scale_at(off, 99, 0.0) == 1.0
+
+
+@pytest.mark.parametrize("frac, min_lr", [(0.85, 0.1), (0.5, 0.0), (1.0, 0.05)])
+def test_lr_scale_by_warmdown_fraction_is_the_records_rule(frac, min_lr):
+    """WARMDOWN_FRAC (WARMDOWN_ITERS=0): the 04-27 record's lr_mul, 1 before 1 - f of the run, then
+    max((1 - p) / f, MIN_LR), p = step / ITERATIONS uncapped, elapsed / (cap - GPTQ reserve) capped."""
+    def record(p: float) -> float:
+        return max((1.0 - p) / frac, min_lr) if p >= 1.0 - frac else 1.0
+    steps = make_cfg(ITERATIONS=1200, WARMDOWN_ITERS=0, WARMDOWN_FRAC=frac, MIN_LR=min_lr, MAX_WALLCLOCK_SECONDS=0)
+    for step in range(0, 1201, 7):
+        assert tg.lr_scale_at(steps, step, 1e9) == pytest.approx(record(step / 1200), abs=1e-12), step
+    capped = make_cfg(WARMDOWN_ITERS=0, WARMDOWN_FRAC=frac, MIN_LR=min_lr, MAX_WALLCLOCK_SECONDS=10,
+                      GPTQ_RESERVE_SECONDS=2)
+    for ms in range(0, 8001, 250):
+        assert tg.lr_scale_at(capped, 0, float(ms)) == pytest.approx(record(ms / 8000), abs=1e-12), ms
 
 
 def test_lr_scale_wallclock_mode():

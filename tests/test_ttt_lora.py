@@ -318,5 +318,5 @@ def test_scoring_paths_never_build_the_document_mask(monkeypatch):
 def test_sliding_eval_off_needs_ttt():
     """Without TTT the sliding score is the run's final score: switching it off alone is refused at the start."""
     with pytest.raises(ValueError, match="SLIDING_EVAL_ENABLED=0 needs TTT_ENABLED=1"):
-        tg.Hyperparameters.from_env({"SLIDING_EVAL_ENABLED": "0"})
+        tg.Hyperparameters.from_env({"SLIDING_EVAL_ENABLED": "0", "TTT_ENABLED": "0"})
     assert not tg.Hyperparameters.from_env({"SLIDING_EVAL_ENABLED": "0", "TTT_ENABLED": "1"})[0].sliding_eval_enabled

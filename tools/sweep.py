@@ -68,12 +68,20 @@ DEFAULT_CODER = "rans"  # train_gpt.py's COMPRESSOR default (and what "auto" pic
 # TRAIN_LOG_EVERY=100 only adds points to the loss curves.
 PQB = ("TRAIN_BATCH_TOKENS=131072 WARMDOWN_ITERS=750 MUON_MOMENTUM_WARMUP_STEPS=400 VAL_LOSS_EVERY=0 "
        "EVAL_STRIDE=64 GRAD_ACCUM_STEPS=1 COMPRESSOR=fast TRAIN_LOG_EVERY=100")
+# Settings only (no run length): layered after a run preset, --preset pqb-t,sp1024. The tiny test configs use it too.
+SP1024_STACK = ("VOCAB_SIZE=1024 MLP_MULT=3 QK_GAIN_INIT=1.5 BIGRAM_VOCAB_SIZE=1536 VE_ENABLED=1 NUM_LOOPS=0 "
+                "DOC_ISOLATION=0 MATRIX_LR=0.025 SCALAR_LR=0.025 TIED_EMBED_LR=0.035 MUON_WD=0.04 ADAM_WD=0.04 "
+                "EMBED_WD=0.04 EMA_DECAY=0 LATE_QAT_THRESHOLD=0.15 WARMDOWN_ITERS=3500 INT6_SCALE_FLOOR=0.03225806451612903 "
+                "MATRIX_CLIP_SIGMAS=0 MLP_CLIP_SIGMAS=0 ATTN_CLIP_SIGMAS=0 EMBED_BITS=8 EMBED_CLIP_SIGMAS=0 "
+                "LQER_ENABLED=0 GPTQ_CALIBRATION_BATCHES=0 TTT_ENABLED=0")
 PRESETS = {
     "pqb": Preset(f"{PQB} ITERATIONS=1500 MAX_WALLCLOCK_SECONDS=0", train_shards=8,
                   about="step-capped proxy quality benchmark: 1,500 steps whatever they cost"),
     "pqb-t": Preset(f"{PQB} ITERATIONS=20000 MAX_WALLCLOCK_SECONDS=120", train_shards=8,
                     about="time-capped proxy benchmark: 120 s of training, wallclock warmdown; a slower step "
                           "gets fewer steps, as in the real run"),
+    "sp1024": Preset(SP1024_STACK, about="the sp1024 stack: our defaults until 2026-11-26, chosen on the 80M-token "
+                     "proxy (VOCAB_SIZE=1024: its data and tokenizer come from DATA_PATH and TOKENIZER_PATH)"),
     "timing": Preset("ITERATIONS=40 VAL_LOSS_EVERY=0 MAX_WALLCLOCK_SECONDS=0 LATE_QAT_THRESHOLD=0 "
                      "TRAIN_LOG_EVERY=10 EVAL_STRIDE=2048 COMPRESSOR=fast",
                      about="record config, 40 steps, no late QAT (REFERENCE.md's timing rule): read step_avg "
@@ -525,7 +533,8 @@ def plot(runs: list[Run], rows: list[dict], logs: Path, sweep: str) -> list[Path
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="presets: " + "; ".join(
         f"{k}: {p.settings}" for k, p in PRESETS.items()))
-    ap.add_argument("--preset", choices=sorted(PRESETS))
+    ap.add_argument("--preset", default="", help="one of " + ", ".join(sorted(PRESETS)) + ", or several joined by "
+                    "commas, layered left to right (pqb-t,sp1024)")
     ap.add_argument("--base", default="", help='settings for every variant, "K=V ..." (over the preset)')
     ap.add_argument("--variant", action="append", default=[], metavar='NAME="K=V ..."',
                     help='repeatable; NAME="" is the defaults; the first variant is the one the others are judged against')
@@ -545,9 +554,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build(args: argparse.Namespace):
     """(the first variant's script module, sweep name, variants' settings, seeds, runs, GPU slots), or SweepError."""
-    preset = PRESETS[args.preset] if args.preset else None
-    common = parse_assignments(preset.settings, f"preset {args.preset}") if preset else {}
+    names = [n for n in args.preset.split(",") if n]
+    if unknown := [n for n in names if n not in PRESETS]:
+        raise SweepError(f"--preset {unknown[0]!r}: not one of {', '.join(sorted(PRESETS))}")
+    common: dict[str, str] = {}
+    for n in names:
+        common |= parse_assignments(PRESETS[n].settings, f"preset {n}")
     common |= parse_assignments(args.base, "--base")
+    train_shards = next((PRESETS[n].train_shards for n in names if PRESETS[n].train_shards), None)
     variants: dict[str, dict[str, str]] = {}
     for arg in args.variant or ['base=']:
         name, settings = parse_variant(arg)
@@ -580,12 +594,12 @@ def build(args: argparse.Namespace):
     if args.export_only:
         export_settings({name: modules[scripts[name]] for name in variants}, variants)
     runs, slots = plan_runs(sweep, variants, seeds, scripts, args.gpus_per_run, visible_gpus(), args.export_only)
-    if preset and preset.train_shards and not args.dry_run:
+    if train_shards and not args.dry_run:
         for name, settings in variants.items():
             data = settings.get("DATA_PATH", os.environ.get("DATA_PATH", tg.Hyperparameters.data_path))
             n = len(list(Path(data).glob("fineweb_train_*.bin")))
-            if n != preset.train_shards:
-                raise SweepError(f"variant {name}: preset {args.preset} needs {preset.train_shards} train shards in "
+            if n != train_shards:
+                raise SweepError(f"variant {name}: preset {args.preset} needs {train_shards} train shards in "
                                  f"DATA_PATH={data}, found {n}")
     return tg, sweep, variants, seeds, runs, slots
 
@@ -607,8 +621,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     where = ", ".join("gpu " + ",".join(s) for s in slots) if slots[0] else "cpu (no visible GPU)"
     print(f"sweep {sweep}: {len(variants)} variant(s) x {len(seeds)} seed(s) = {len(runs)} runs on {where}"
-          + (f"; preset {args.preset} ({PRESETS[args.preset].about}; calibrated on {CALIBRATED_ON})"
-             if args.preset else ""), flush=True)
+          + (f"; preset {args.preset} ({'; '.join(PRESETS[n].about for n in args.preset.split(','))}; "
+             f"calibrated on {CALIBRATED_ON})" if args.preset else ""), flush=True)
     if args.dry_run:
         for r in runs:
             print(f"# {r.variant} seed {r.seed}: " + (f"gpu {','.join(r.gpus)}" if r.gpus else "cpu"))
