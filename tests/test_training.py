@@ -175,7 +175,7 @@ def test_lr_scale_by_warmdown_fraction_is_the_records_rule(frac, min_lr):
     for step in range(0, 1201, 7):
         assert tg.lr_scale_at(steps, step, 1e9) == pytest.approx(record(step / 1200), abs=1e-12), step
     capped = make_cfg(WARMDOWN_ITERS=0, WARMDOWN_FRAC=frac, MIN_LR=min_lr, MAX_WALLCLOCK_SECONDS=10,
-                      GPTQ_RESERVE_SECONDS=2)
+                      GPTQ_CALIBRATION_BATCHES=1, GPTQ_RESERVE_SECONDS=2)
     for ms in range(0, 8001, 250):
         assert tg.lr_scale_at(capped, 0, float(ms)) == pytest.approx(record(ms / 8000), abs=1e-12), ms
 
@@ -426,11 +426,13 @@ def test_gptq_reserve_comes_off_the_training_cap(dataset, tokenizer_path, monkey
     and its warmdown ends there. 100 ms steps, a 1 s cap less 0.3 s: 6 steps, the lr reaching 0.4 at the last."""
     steps, train_ms, lines, record, _ = _run_with_fake_clock(
         dataset, tokenizer_path, monkeypatch, 100.0, 0.0, MAX_WALLCLOCK_SECONDS=1.0, GPTQ_RESERVE_SECONDS=0.3,
-        ITERATIONS=100000, WARMDOWN_ITERS=5, LATE_QAT_THRESHOLD=0)
+        GPTQ_CALIBRATION_BATCHES=1, ITERATIONS=100000, WARMDOWN_ITERS=5, LATE_QAT_THRESHOLD=0)
     assert (steps, train_ms) == (6, 600.0)  # a 7th would end at 700 ms: no room for CAP_MARGIN
     assert [r[1] for r in record] == pytest.approx([1, 1, 1, 0.8, 0.6, 0.4], abs=1e-9)
     with pytest.raises(ValueError, match="GPTQ_RESERVE_SECONDS must be below MAX_WALLCLOCK_SECONDS"):
-        make_cfg(MAX_WALLCLOCK_SECONDS=10, GPTQ_RESERVE_SECONDS=10)
+        make_cfg(MAX_WALLCLOCK_SECONDS=10, GPTQ_RESERVE_SECONDS=10, GPTQ_CALIBRATION_BATCHES=1)
+    # without calibration nothing is reserved (and the setting is reported as ignored)
+    assert tg.train_cap_ms(make_cfg(MAX_WALLCLOCK_SECONDS=10, GPTQ_RESERVE_SECONDS=10)) == 10000.0
 
 
 # =============================================================================================
