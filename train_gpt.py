@@ -60,6 +60,7 @@ GENERIC_WORDS = {"MAX", "NUM", "RUN", "DATA", "MODEL", "HEAD", "DEVICE", "LOCAL"
 # A zero head count or a negative learning rate is a typo, not a run.
 POSITIVE, NON_NEGATIVE, FRACTION = "> 0", ">= 0", "in [0, 1)"
 IN_RANGE = {POSITIVE: lambda v: v > 0, NON_NEGATIVE: lambda v: v >= 0, FRACTION: lambda v: 0 <= v < 1}
+FP16_MIN_NORMAL = 2.0 ** -14  # the smallest scale an fp16 row scale holds without losing precision to 0
 
 
 def S(default, meaning: str, allowed: str | tuple = "", model: bool = False, on: str = ""):
@@ -191,7 +192,8 @@ class Hyperparameters:
     train_log_every: int = S(500, "train_loss line every N steps (and the first 10)", NON_NEGATIVE)
     compressor: str = S("rans", "rans (context-modelled rANS, the smallest) | fast (zstd-3 for sweeps: 0.2 s)",
                         ("rans", "fast"))
-    int6_scale_floor: float = S(2.0 ** -14, "floor on int6 row scales (1/31 coarsens tiny rows, compresses better)")
+    int6_scale_floor: float = S(FP16_MIN_NORMAL, "floor on int6 row scales (1/31 coarsens tiny rows, compresses "
+                                "better)")
     matrix_clip_sigmas: float = S(12.85, "bank row scale = k * std(row) / 31 (SD clip); 0 = the clip search",
                                   NON_NEGATIVE)
     mlp_clip_sigmas: float = S(11.5, "SD clip k of the MLP matrices; 0 = MATRIX_CLIP_SIGMAS", NON_NEGATIVE)
@@ -271,7 +273,8 @@ class Hyperparameters:
         key, _, mode = on.partition("=")
         value, why = getattr(self, key), self.ignored(key)
         if why or mode:
-            return why or ("" if value == type(value)(mode) else f"is {key.upper()}={mode}'s; {key.upper()}={value} ignores it")
+            return why or ("" if value == type(value)(mode)
+                           else f"is {key.upper()}={mode}'s; {key.upper()}={value} ignores it")
         return "" if value else f"is ignored: {key.upper()}={value} turns its feature off"
 
     def unread(self, explicit: set[str]) -> list[str]:
@@ -332,7 +335,8 @@ class Hyperparameters:
              or self.gptq_reserve_seconds < self.max_wallclock_seconds,
              "GPTQ_RESERVE_SECONDS must be below MAX_WALLCLOCK_SECONDS")
         # scales are stored (and applied) as fp16: a smaller floor rounds to 0 and turns all-zero rows into 0/0
-        need(self.int6_scale_floor >= 2.0 ** -14, "INT6_SCALE_FLOOR must be >= 2^-14 (6.1e-5), fp16's smallest normal")
+        need(self.int6_scale_floor >= FP16_MIN_NORMAL,
+             "INT6_SCALE_FLOOR must be >= 2^-14 (6.1e-5), fp16's smallest normal")
 
     @property
     def head_dim(self) -> int:
@@ -2223,6 +2227,7 @@ def quantize_matrix(w_RC: Tensor, sigmas: float, floor: float, h_CC: Tensor | No
 
 LQER_A_MAX, LQER_B_MAX = 1.5, 7.5  # the scales' divisors: A's codes -2..1, B's -8..7 (the records' asymmetric form)
 LQER_ROW_MAX = 7  # the fallback: A and B int4 per row, -7..7
+LQER_KINDS = ("lqA", "lqAs", "lqB", "lqBs")  # a corrected matrix's extra tensors: A's codes and scales, B's
 
 
 def lqer_factors(err_RC: Tensor, rank: int, group: int) -> dict[str, Tensor]:
@@ -2275,13 +2280,13 @@ def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dic
             qmax, k = 2 ** (cfg.embed_bits - 1) - 1, cfg.embed_clip_sigmas
             head = hessians is not None and name == ("tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight")
             out[name + ".q8"], out[name + ".scale"] = quantize_matrix(
-                t, k, 2.0 ** -14 if k > 0 else 1 / qmax, hessians["head", 0].cpu() if head else None, qmax,
+                t, k, FP16_MIN_NORMAL if k > 0 else 1 / qmax, hessians["head", 0].cpu() if head else None, qmax,
                 (INT8_CLIP_QUANTILE,))
         else:
             out[name + ".f16"] = t.half()
         if kind != "f16" and cfg.lqer_enabled:
             errors[name] = t - out[name + "." + kind].float() * out[name + ".scale"].float()[:, None]
-    for name in sorted(errors, key=lambda n: -errors[n].norm().item())[: cfg.lqer_top_k if cfg.lqer_enabled else 0]:
+    for name in sorted(errors, key=lambda n: -errors[n].norm().item())[: cfg.lqer_top_k]:
         out.update({f"{name}.{k}": v for k, v in lqer_factors(errors[name], cfg.lqer_rank, cfg.lqer_asym_group).items()})
     return out
 
@@ -2365,10 +2370,10 @@ def dequantize_state(packed: dict[str, Tensor], template: dict[str, Tensor], num
         if kind in ("q6", "q8"):
             flat[name] = t.float() * packed[name + ".scale"].float()[:, None]
             if name + ".lqA" in packed:
-                flat[name] += lqer_delta({k: packed[f"{name}.{k}"] for k in ("lqA", "lqAs", "lqB", "lqBs")})
+                flat[name] += lqer_delta({k: packed[f"{name}.{k}"] for k in LQER_KINDS})
         elif kind == "f16":
             flat[name] = t.float()
-        elif kind not in ("scale", "lqA", "lqAs", "lqB", "lqBs"):
+        elif kind != "scale" and kind not in LQER_KINDS:
             raise ValueError(f"artifact holds an unknown tensor kind: {key}")
     want = unbank(template, num_layers)
     missing, extra = sorted(set(want) - set(flat)), sorted(set(flat) - set(want))
@@ -2697,6 +2702,13 @@ def train_cap_ms(cfg: Hyperparameters) -> float:
     return 1000.0 * (cfg.max_wallclock_seconds - reserve) if cfg.max_wallclock_seconds > 0 else 0.0
 
 
+def run_progress(cfg: Hyperparameters, steps: int, elapsed_ms: float) -> float:
+    """How far the run is, 0..1: by steps done or, capped, by the clock, whichever is further (the warmdown, the EMA
+    and ENABLE_LOOPING_AT read it)."""
+    cap_ms = train_cap_ms(cfg)
+    return max(steps / max(cfg.iterations, 1), elapsed_ms / cap_ms if cap_ms > 0 else 0.0)
+
+
 def lr_scale_at(cfg: Hyperparameters, step: int, elapsed_ms: float) -> float:
     """Linear warmdown, floored at MIN_LR: over the last WARMDOWN_FRAC of the run's progress (by steps or, capped,
     by the clock, whichever is further), or over the last WARMDOWN_ITERS steps, or capped of wallclock (as many
@@ -2707,9 +2719,7 @@ def lr_scale_at(cfg: Hyperparameters, step: int, elapsed_ms: float) -> float:
             warmdown_ms = cfg.warmdown_iters * elapsed_ms / max(step, 1)
             scale = min(scale, max(train_cap_ms(cfg) - elapsed_ms, 0.0) / max(warmdown_ms, 1e-9))
     elif cfg.warmdown_frac > 0:
-        cap_ms = train_cap_ms(cfg)
-        progress = max(step / max(cfg.iterations, 1), elapsed_ms / cap_ms if cap_ms > 0 else 0.0)
-        scale = min(1.0, max(0.0, 1.0 - progress) / cfg.warmdown_frac)
+        scale = min(1.0, max(0.0, 1.0 - run_progress(cfg, step, elapsed_ms)) / cfg.warmdown_frac)
     else:
         return 1.0
     return max(scale, cfg.min_lr)
@@ -2883,9 +2893,9 @@ class Trainer:
                     self.save_checkpoint(ema, clock(train_ms + now_ms(rt.device) - t0))
                     raise ShardError(f"{e}; checkpoint {self.ckpt_path} written at step {step}: fix the data, "
                                      f"then resume with RESUME={self.ckpt_path}") from None
-                # progress by iteration or (capped) by the agreed clock, whichever is further; a stall counts
-                # as at most 3 average steps, so no single snapshot dominates the EMA
-                done = max((step + 1) / cfg.iterations, elapsed / cap_ms if cap_ms > 0 else 0.0)
+                # progress on the agreed clock; a stall counts as at most 3 average steps, so no single snapshot
+                # dominates the EMA
+                done = run_progress(cfg, step + 1, elapsed)
                 if ema is not None:
                     ema.update(min(done - progress, 3 * done / (step + 1)))
                 progress = done
@@ -3087,7 +3097,7 @@ def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: 
         t0 = now_ms(rt.device)
         hessians = calibrate(model, trainer.loader, cfg.gptq_calibration_batches)
         log(f"gptq_calibration batches:{cfg.gptq_calibration_batches} time:{now_ms(rt.device) - t0:.0f}ms "
-            f"reserved:{1000 * cfg.gptq_reserve_seconds if cfg.max_wallclock_seconds > 0 else 0:.0f}ms")
+            f"reserved:{1000 * cfg.max_wallclock_seconds - train_cap_ms(cfg):.0f}ms")
     return model, hessians, train_ms, 0
 
 

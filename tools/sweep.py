@@ -621,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     where = ", ".join("gpu " + ",".join(s) for s in slots) if slots[0] else "cpu (no visible GPU)"
     print(f"sweep {sweep}: {len(variants)} variant(s) x {len(seeds)} seed(s) = {len(runs)} runs on {where}"
-          + (f"; preset {args.preset} ({'; '.join(PRESETS[n].about for n in args.preset.split(','))}; "
+          + (f"; preset {args.preset} ({'; '.join(PRESETS[n].about for n in args.preset.split(',') if n)}; "
              f"calibrated on {CALIBRATED_ON})" if args.preset else ""), flush=True)
     if args.dry_run:
         for r in runs:
