@@ -19,6 +19,7 @@ import difflib
 import glob
 import hashlib
 import io
+import itertools
 import json
 import lzma
 import math
@@ -240,6 +241,29 @@ class Hyperparameters:
                             POSITIVE, on="ttt_mode=lora")
     ttt_batch_size: int = S(64, "documents per lockstep batch (rows of a step) on each rank", POSITIVE,
                             on="ttt_mode=lora")
+    ttt_short_score_first_steps: str = S("", "smaller chunks for short documents: LEN:CHUNK,... (a document of at "
+                                         "most LEN targets: CHUNK; the records' 256:8,2000:24); empty = off",
+                                         on="ttt_mode=lora")
+    ttt_warm_start_a: bool = S(False, "keep the adapters' A from batch to batch (B and AdamW restart; A is redrawn "
+                               "after each phase): a document no longer scores as if alone", on="ttt_mode=lora")
+    ttt_q_lora: bool = S(True, "adapters on q (the head's is always on)", on="ttt_mode=lora")
+    ttt_k_lora: bool = S(True, "adapters on k", on="ttt_mode=lora")
+    ttt_v_lora: bool = S(True, "adapters on v", on="ttt_mode=lora")
+    ttt_o_lora: bool = S(True, "adapters on the attention output", on="ttt_mode=lora")
+    ttt_mlp_lora: bool = S(True, "adapters on the MLP output", on="ttt_mode=lora")
+    phased_ttt_prefix_docs: int = S(0, "phased global SGD: the first N documents lora scores (longest first) train "
+                                    "the base weights in phases, after they are scored (0 = off)", NON_NEGATIVE,
+                                    on="ttt_mode=lora")
+    phased_ttt_num_phases: int = S(3, "phases of the prefix; after phase k, SGD on its first k/N (cumulative)",
+                                   POSITIVE, on="phased_ttt_prefix_docs")
+    global_ttt_lr: float = S(0.001, "the phases' SGD lr, cosine over the chunks", NON_NEGATIVE,
+                             on="phased_ttt_prefix_docs")
+    global_ttt_momentum: float = S(0.9, "the phases' SGD momentum", FRACTION, on="phased_ttt_prefix_docs")
+    global_ttt_epochs: int = S(1, "passes over a phase's documents", NON_NEGATIVE, on="phased_ttt_prefix_docs")
+    global_ttt_chunk_tokens: int = S(32768, "tokens per SGD step: EVAL_SEQ_LEN rows of one document each (the last "
+                                     "chunk is not trained on, as in the records)", POSITIVE,
+                                     on="phased_ttt_prefix_docs")
+    global_ttt_grad_clip: float = S(1.0, "the phases' grad-norm clip", POSITIVE, on="phased_ttt_prefix_docs")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> tuple["Hyperparameters", list[str]]:
@@ -329,6 +353,8 @@ class Hyperparameters:
         need(self.late_qat_threshold == 0 or self.min_lr < self.late_qat_threshold,
              "MIN_LR must be below LATE_QAT_THRESHOLD: late QAT starts when the lr scale falls under it")
         need(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
+        need(re.fullmatch(r"\s*(\d+:[1-9]\d*\s*(,\s*\d+:[1-9]\d*\s*)*)?", self.ttt_short_score_first_steps) is not None,
+             f"TTT_SHORT_SCORE_FIRST_STEPS={self.ttt_short_score_first_steps!r}: LEN:CHUNK pairs, e.g. 256:8,2000:24")
         need(self.sliding_eval_enabled or self.ttt_enabled,
              "SLIDING_EVAL_ENABLED=0 needs TTT_ENABLED=1 (without TTT the sliding score is the final score)")
         need(self.max_wallclock_seconds == 0 or self.gptq_calibration_batches == 0
@@ -358,6 +384,15 @@ class Hyperparameters:
         """LOOP_START..LOOP_END within the depth (the default 3..5 is 1..1 of a 2-layer model)."""
         end = min(self.loop_end, self.num_layers - 1)
         return min(self.loop_start, end), end
+
+    @property
+    def ttt_short_steps(self) -> list[tuple[int, int]]:
+        """TTT_SHORT_SCORE_FIRST_STEPS as (max targets, chunk) pairs, shortest first."""
+        return sorted(tuple(map(int, p.split(":"))) for p in self.ttt_short_score_first_steps.split(",") if p.strip())
+
+    def ttt_chunk_for(self, targets: int) -> int:
+        """lora TTT's chunk for a document of `targets` targets."""
+        return next((c for n, c in self.ttt_short_steps if targets <= n), self.ttt_chunk_size)
 
     @property
     def ve_layer_list(self) -> list[int]:  # 0..NUM_LAYERS-1 (the default -2,-1: 9,10 of 11, the records')
@@ -1267,6 +1302,8 @@ class DocLoRA(nn.Module):
         super().__init__()
         D, KV, r = cfg.model_dim, cfg.num_kv_heads * cfg.head_dim, cfg.ttt_lora_rank
         outs = {"attn.q": D, "attn.k": KV, "attn.v": KV, "attn.o": D, "mlp": D}
+        on = (cfg.ttt_q_lora, cfg.ttt_k_lora, cfg.ttt_v_lora, cfg.ttt_o_lora, cfg.ttt_mlp_lora)
+        outs = {n: d for (n, d), o in zip(outs.items(), on) if o}
         keys = [(n, i) for i in range(cfg.num_layers) for n in outs] + [("head", 0)]
         self.index = {key: j for j, key in enumerate(keys)}
         self.A = nn.ParameterList(torch.empty(rows, r, D, device=device) for _ in keys)
@@ -1277,17 +1314,22 @@ class DocLoRA(nn.Module):
         self.reset()
 
     @torch.no_grad()
-    def reset(self) -> None:
+    def reset(self, keep_a: bool = False) -> None:
         for a, b, a0 in zip(self.A, self.B, self.A0):
-            a.copy_(a0.expand_as(a))
+            if not keep_a:
+                a.copy_(a0.expand_as(a))
             b.zero_()
 
-    def deltas(self, names: tuple[str, ...], i: int, x_BTI: Tensor) -> list[Tensor]:
-        """The adapters `names` of layer i, which all read x, with one bmm down (q, k, v, o at once: the proxy's lora
-        loop 34.4 -> 30.9 s on one H100)."""
-        js, B = [self.index[name, i] for name in names], x_BTI.size(0)
-        z = x_BTI @ torch.cat([self.A[j][:B] for j in js], 1).mT.to(x_BTI.dtype)
-        return [zj @ (self.scale * self.B[j][:B].mT).to(x_BTI.dtype) for zj, j in zip(z.chunk(len(js), -1), js)]
+    def deltas(self, names: tuple[str, ...], i: int, x_BTI: Tensor) -> list[Tensor | int]:
+        """The adapters `names` of layer i (0 where switched off), which all read x, with one bmm down (q, k, v, o at
+        once: the proxy's lora loop 34.4 -> 30.9 s on one H100)."""
+        js, B = [self.index.get((name, i)) for name in names], x_BTI.size(0)
+        on = [j for j in js if j is not None]
+        if not on:
+            return [0] * len(names)
+        z = x_BTI @ torch.cat([self.A[j][:B] for j in on], 1).mT.to(x_BTI.dtype)
+        out = {j: zj @ (self.scale * self.B[j][:B].mT).to(x_BTI.dtype) for zj, j in zip(z.chunk(len(on), -1), on)}
+        return [0 if j is None else out[j] for j in js]
 
 
 class GPT(nn.Module):
@@ -1976,54 +2018,21 @@ class Scorer:
 
 # ===== Legal test-time training: score a chunk, then train on it =====
 
-def sgd_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> Score:
-    """TTT_MODE=sgd, score-first (the later records' legal TTT): each TTT_CHUNK_TOKENS chunk of the val targets is
-    scored by the sliding windows whose first target it holds, then trained on with SGD + momentum (cosine lr over
-    chunks, global-norm clip), the last one never. A score depends on the artifact and earlier tokens only.
-    TTT_FREEZE_BLOCKS freezes the first blocks (bank slices, control tensors, lane scalars)."""
-    T, C, L = cfg.train_seq_len, cfg.ttt_chunk_tokens, cfg.num_layers
-    n_targets = scorer.tokens.numel() - 1
-    n_chunks = -(-n_targets // C)
-    wins = scorer.windows(cfg.eval_stride)
-    win_chunk = wins[:, 1] // C
-    frozen = list(range(cfg.ttt_freeze_blocks))
-    params = [p for n, p in model.named_parameters() if not (n.startswith("blocks.") and int(n.split(".")[1]) in frozen)]
-    opt = torch.optim.SGD(params, lr=cfg.ttt_lr, momentum=cfg.ttt_momentum)
-    model.eval()
-    fn_score, fn_train = scorer.logits_fn(model), compiled(model.logits, rt)  # training rows cross documents
-    rows = -(-cfg.ttt_batch_seqs // rt.world_size)  # fixed per-rank batch shape (padded): one compile
-
-    def warmup() -> None:
-        scorer.warm(fn_score)
-        if cfg.ttt_epochs > 0:  # the training graph (forward + backward) too
-            with autocast(rt.device):
-                fn_train(torch.zeros(rows, T, dtype=torch.int64, device=rt.device)).float().sum().backward()
-            opt.zero_grad(set_to_none=True)
-
-    def chunk(k: int) -> Tensor:
-        sums = scorer.score_windows(fn_score, wins[win_chunk == k])
-        if k < n_chunks - 1 and cfg.ttt_epochs > 0:
-            opt.param_groups[0]["lr"] = cfg.ttt_lr * 0.5 * (1 + math.cos(math.pi * k / max(n_chunks - 1, 1)))
-            c1 = min((k + 1) * C, n_targets)
-            starts = torch.arange(k * C, c1, T, device=rt.device)
-            for _ in range(cfg.ttt_epochs):
-                for b0 in range(0, starts.numel(), cfg.ttt_batch_seqs):
-                    batch = starts[b0: b0 + cfg.ttt_batch_seqs]
-                    count = (c1 - batch).clamp(max=T).sum()  # targets in the global batch
-                    a = batch[rt.rank::rt.world_size]
-                    a = torch.cat((a, a.new_full((rows - a.numel(),), c1)))  # padding rows: no targets
-                    x, y, mask, _ = scorer.rows(a, torch.zeros_like(a), c1 - a, T)
-                    opt.zero_grad(set_to_none=False)
-                    with autocast(rt.device):
-                        logits = fn_train(x)
-                    nll = cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
-                    # x world_size: the ranks' gradients are averaged, and each holds 1/world of the batch
-                    ((nll.view(rows, T) * mask).sum() * rt.world_size / count).backward()
-                    ttt_sync_grads(model, params, frozen, L)
-                    torch.nn.utils.clip_grad_norm_(params, cfg.ttt_grad_clip)
-                    opt.step()
-        return sums
-    return scorer.loop(warmup, list(range(n_chunks)), chunk, "ttt_chunk")
+def sgd_step(rt: Runtime, scorer: Scorer, model: GPT, fn: Callable, opt: torch.optim.Optimizer, params: list[Tensor],
+             frozen: list[int], starts_N: Tensor, counts_N: Tensor, rows: int, T: int, clip: float) -> None:
+    """One step on the mean NLL of the val targets [start, start + count) of the N rows of all ranks: this rank
+    takes every world-th row, padded to `rows` rows without targets (one shape: one compile)."""
+    a, n = (F.pad(t[rt.rank::rt.world_size], (0, rows - t[rt.rank::rt.world_size].numel())) for t in (starts_N, counts_N))
+    x, y, mask, _ = scorer.rows(a, torch.zeros_like(a), n, T)
+    opt.zero_grad(set_to_none=False)
+    with autocast(rt.device):
+        logits = fn(x)
+    nll = cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+    # x world_size: the ranks' gradients are averaged, and each holds 1/world of the batch
+    ((nll.view(rows, T) * mask).sum() * rt.world_size / counts_N.sum()).backward()
+    ttt_sync_grads(model, params, frozen, model.cfg.num_layers)
+    torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
 
 
 @torch.no_grad()
@@ -2054,22 +2063,97 @@ def frozen_weights(model: nn.Module):
             p.requires_grad_(True)
 
 
+def sgd_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> Score:
+    """TTT_MODE=sgd, score-first (the later records' legal TTT): each TTT_CHUNK_TOKENS chunk of the val targets is
+    scored by the sliding windows whose first target it holds, then trained on with SGD + momentum (cosine lr over
+    chunks, global-norm clip), the last one never. A score depends on the artifact and earlier tokens only.
+    TTT_FREEZE_BLOCKS freezes the first blocks (bank slices, control tensors, lane scalars)."""
+    T, C = cfg.train_seq_len, cfg.ttt_chunk_tokens
+    n_targets = scorer.tokens.numel() - 1
+    n_chunks = -(-n_targets // C)
+    wins = scorer.windows(cfg.eval_stride)
+    win_chunk = wins[:, 1] // C
+    frozen = list(range(cfg.ttt_freeze_blocks))
+    params = [p for n, p in model.named_parameters() if not (n.startswith("blocks.") and int(n.split(".")[1]) in frozen)]
+    opt = torch.optim.SGD(params, lr=cfg.ttt_lr, momentum=cfg.ttt_momentum)
+    model.eval()
+    fn_score, fn_train = scorer.logits_fn(model), compiled(model.logits, rt)  # training rows cross documents
+    rows = -(-cfg.ttt_batch_seqs // rt.world_size)  # fixed per-rank batch shape (padded): one compile
+
+    def warmup() -> None:
+        scorer.warm(fn_score)
+        if cfg.ttt_epochs > 0:  # the training graph (forward + backward) too
+            with autocast(rt.device):
+                fn_train(torch.zeros(rows, T, dtype=torch.int64, device=rt.device)).float().sum().backward()
+            opt.zero_grad(set_to_none=True)
+
+    def chunk(k: int) -> Tensor:
+        sums = scorer.score_windows(fn_score, wins[win_chunk == k])
+        if k < n_chunks - 1 and cfg.ttt_epochs > 0:
+            opt.param_groups[0]["lr"] = cfg.ttt_lr * 0.5 * (1 + math.cos(math.pi * k / max(n_chunks - 1, 1)))
+            c1 = min((k + 1) * C, n_targets)
+            starts = torch.arange(k * C, c1, T, device=rt.device)
+            for _ in range(cfg.ttt_epochs):
+                for batch in starts.split(cfg.ttt_batch_seqs):
+                    sgd_step(rt, scorer, model, fn_train, opt, params, frozen, batch, (c1 - batch).clamp(max=T), rows,
+                             T, cfg.ttt_grad_clip)
+        return sums
+    return scorer.loop(warmup, list(range(n_chunks)), chunk, "ttt_chunk")
+
+
+def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn: Callable,
+               spans: list[tuple[int, int]]) -> None:
+    """Phased TTT's SGD of all base weights on the val targets [s, e) of each span (documents already scored), in
+    rows of EVAL_SEQ_LEN from each document's start (the records pack the documents: the same targets, attention
+    within each), GLOBAL_TTT_CHUNK_TOKENS per step, cosine lr over the chunks, the last chunk not trained on."""
+    T = cfg.eval_seq_len
+    per = max(1, cfg.global_ttt_chunk_tokens // T)
+    rows = torch.tensor([(a, min(e - a, T)) for s, e in spans for a in range(s, e, T)], dtype=torch.int64,
+                        device=rt.device).view(-1, 2)
+    chunks = rows.split(per)[:-1]
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=cfg.global_ttt_lr, momentum=cfg.global_ttt_momentum)
+    model.requires_grad_(True)
+    for _ in range(cfg.global_ttt_epochs):
+        for c, chunk in enumerate(chunks):
+            opt.param_groups[0]["lr"] = cfg.global_ttt_lr * 0.5 * (1 + math.cos(math.pi * c / len(chunks)))
+            sgd_step(rt, scorer, model, fn, opt, params, [], chunk[:, 0], chunk[:, 1], -(-per // rt.world_size), T,
+                     cfg.global_ttt_grad_clip)
+    model.requires_grad_(False)
+    opt.zero_grad(set_to_none=True)
+
+
 def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
              probe: dict[str, Tensor] | None = None) -> Score:
     """TTT_MODE=lora, score-first per document: the per-document sliding windows are cut into chunks of
-    TTT_CHUNK_SIZE targets that keep their window's context. Documents, longest first, run in lockstep batches of
-    TTT_BATCH_SIZE (the records' scheduler): step c scores chunk c of every document still going, then takes
-    TTT_GRAD_STEPS AdamW steps on each row's mean chunk NLL (not on a last chunk). Adapters and AdamW restart with each
-    batch, so a document scores what it would alone. probe (tests) receives each target's NLL and logsumexp."""
-    T, C, R = cfg.eval_seq_len, cfg.ttt_chunk_size, cfg.ttt_batch_size
+    TTT_CHUNK_SIZE targets (TTT_SHORT_SCORE_FIRST_STEPS: by the document's length) that keep their window's context.
+    Documents, most chunks first, run in lockstep batches of TTT_BATCH_SIZE (the records' scheduler): step c scores
+    chunk c of every document still going, then takes TTT_GRAD_STEPS AdamW steps on each row's mean chunk NLL (not on
+    a last chunk). Adapters and AdamW restart with each batch, so a document scores what it would alone (not with
+    TTT_WARM_START_A). PHASED_TTT_PREFIX_DOCS: the first documents of that order are scored in phases, each followed
+    by global_sgd on every document scored so far; the rest are scored with the weights of the last.
+    probe (tests) receives each target's NLL and logsumexp."""
+    T, R = cfg.eval_seq_len, cfg.ttt_batch_size
     starts = scorer.doc_starts(per_doc=True)  # an adapter learns one document: its windows are the document's own
+    ends = starts[1:] + [scorer.tokens.numel() - 1]
     docs: list[list[tuple[int, int, int]]] = [[] for _ in starts]
     for s, lo, hi in scorer.windows(cfg.eval_stride, per_doc=True).tolist():
-        docs[bisect.bisect_right(starts, s) - 1] += [(s, a, min(a + C, hi)) for a in range(lo, hi, C)]
-    queue = sorted(docs, key=len, reverse=True)[rt.rank::rt.world_size]
-    lora = DocLoRA(cfg, R, rt.device)
+        d = bisect.bisect_right(starts, s) - 1
+        C = cfg.ttt_chunk_for(ends[d] - starts[d])
+        docs[d] += [(s, a, min(a + C, hi)) for a in range(lo, hi, C)]
+    order = sorted(range(len(docs)), key=lambda i: len(docs[i]), reverse=True)
+    P, N = min(cfg.phased_ttt_prefix_docs, len(docs)), cfg.phased_ttt_num_phases
+    phases = sorted({P * k // N for k in range(1, N + 1)} - {0})
+    edges = sorted({0, len(docs)} | set(phases))
+    steps: list[tuple[list[int], int]] = []  # (this rank's documents, the phase it ends or 0); as many on every rank
+    for a, b in zip(edges, edges[1:]):
+        mine, n = order[a:b][rt.rank::rt.world_size], -(-(b - a) // (rt.world_size * R))
+        steps += [(mine[j * R: (j + 1) * R], b if j == n - 1 and b in phases and b < len(docs) else 0)
+                  for j in range(n)]
+    lora, fresh_a = DocLoRA(cfg, R, rt.device), [True]
     model.eval()
     fn = scorer.logits_fn(model)  # a row holds one document's window
+    sgd_rows = -(-max(1, cfg.global_ttt_chunk_tokens // T) // rt.world_size)
 
     def warmup() -> None:
         if rt.compile_enabled:  # forward and backward: one graph for every rows x length
@@ -2079,16 +2163,33 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
             with autocast(rt.device):
                 fn(x, lora).float().sum().backward()
             lora.zero_grad(set_to_none=True)
+            if phases:  # and global_sgd's
+                model.requires_grad_(True)
+                with autocast(rt.device):
+                    fn(torch.zeros(sgd_rows, T, dtype=torch.int64, device=rt.device)).float().sum().backward()
+                model.requires_grad_(False)
+                model.zero_grad(set_to_none=True)
 
-    def batch_of_documents(b0: int) -> Tensor:
-        batch, sums = queue[b0: b0 + R], torch.zeros(3, dtype=torch.float64, device=rt.device)
+    def batch_of_documents(step: tuple[list[int], int]) -> Tensor:
+        ids, phase_end = step
+        batch, sums = [docs[i] for i in ids], torch.zeros(3, dtype=torch.float64, device=rt.device)
+        if batch:
+            sums = score_batch(batch)
+        if phase_end:
+            global_sgd(cfg, rt, model, scorer, fn, [(starts[i], ends[i]) for i in order[:phase_end]])
+            fresh_a[0] = True
+        return sums
+
+    def score_batch(batch: list[list[tuple[int, int, int]]]) -> Tensor:
+        sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
         plan = torch.zeros(len(batch[0]), R, 4, dtype=torch.int64)  # step c's rows: window, trained; one copy
         for r, d in enumerate(batch):
             plan[:len(d), r, :3] = torch.tensor(d)
             plan[:len(d) - 1, r, 3] = 1  # the last chunk is not trained on
         if rt.device.type == "cuda":  # pinned, so the copy does not wait for the GPU to drain
             plan = plan.pin_memory().to(rt.device, non_blocking=True)
-        lora.reset()
+        lora.reset(keep_a=cfg.ttt_warm_start_a and not fresh_a[0])
+        fresh_a[0] = False
         opt = torch.optim.AdamW(lora.parameters(), lr=cfg.ttt_lora_lr, betas=(0.0, 0.99), eps=1e-10,
                                 weight_decay=cfg.ttt_weight_decay, fused=rt.device.type == "cuda")
         for c in range(len(batch[0])):
@@ -2113,11 +2214,11 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
                 opt.zero_grad(set_to_none=True)
         return sums
 
-    batches = list(range(0, len(queue), R))
-    with frozen_weights(model):  # gradients reach the adapters only
-        return scorer.loop(warmup, batches, batch_of_documents, "ttt_lora_docs", [min(b + R, len(queue)) for b in batches],
-                           f"ttt_lora documents:{len(docs)} chunks:{sum(map(len, docs))} rank0_documents:{len(queue)} "
-                           f"rows:{R}")
+    done = list(itertools.accumulate(len(ids) for ids, _ in steps))
+    with frozen_weights(model):  # gradients reach the adapters only (and the base weights in global_sgd)
+        return scorer.loop(warmup, steps, batch_of_documents, "ttt_lora_docs", done,
+                           f"ttt_lora documents:{len(docs)} chunks:{sum(map(len, docs))} rank0_documents:{done[-1]} "
+                           f"rows:{R} phases:{phases}")
 
 
 # ===== Export: int6 banks, int8 tables, fp16 rest on the grid of the Model section; no pickle; compressed =====
