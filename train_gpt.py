@@ -244,8 +244,9 @@ class Hyperparameters:
     ttt_short_score_first_steps: str = S("", "smaller chunks for short documents: LEN:CHUNK,... (a document of at "
                                          "most LEN targets: CHUNK; the records' 256:8,2000:24); empty = off",
                                          on="ttt_mode=lora")
-    ttt_warm_start_a: bool = S(False, "keep the adapters' A from batch to batch (B and AdamW restart; A is redrawn "
-                               "after each phase): a document no longer scores as if alone", on="ttt_mode=lora")
+    ttt_warm_start_a: bool = S(False, "keep the adapters' A from batch to batch (B and AdamW restart; A goes back to its "
+                               "initial draw after each phase): a document no longer scores as if alone",
+                               on="ttt_mode=lora")
     ttt_q_lora: bool = S(True, "adapters on q (the head's is always on)", on="ttt_mode=lora")
     ttt_k_lora: bool = S(True, "adapters on k", on="ttt_mode=lora")
     ttt_v_lora: bool = S(True, "adapters on v", on="ttt_mode=lora")
@@ -260,9 +261,9 @@ class Hyperparameters:
                              on="phased_ttt_prefix_docs")
     global_ttt_momentum: float = S(0.9, "the phases' SGD momentum", FRACTION, on="phased_ttt_prefix_docs")
     global_ttt_epochs: int = S(1, "passes over a phase's documents", NON_NEGATIVE, on="phased_ttt_prefix_docs")
-    global_ttt_chunk_tokens: int = S(32768, "tokens per SGD step: EVAL_SEQ_LEN rows of one document each (the last "
-                                     "chunk is not trained on, as in the records)", POSITIVE,
-                                     on="phased_ttt_prefix_docs")
+    global_ttt_chunk_tokens: int = S(32768, "tokens per SGD step, as CHUNK_TOKENS // EVAL_SEQ_LEN rows of one "
+                                     "document each (the last step's are not trained on, as in the records)",
+                                     POSITIVE, on="phased_ttt_prefix_docs")
     global_ttt_grad_clip: float = S(1.0, "the phases' grad-norm clip", POSITIVE, on="phased_ttt_prefix_docs")
 
     @classmethod
@@ -1302,14 +1303,16 @@ class DocLoRA(nn.Module):
         super().__init__()
         D, KV, r = cfg.model_dim, cfg.num_kv_heads * cfg.head_dim, cfg.ttt_lora_rank
         outs = {"attn.q": D, "attn.k": KV, "attn.v": KV, "attn.o": D, "mlp": D}
-        on = (cfg.ttt_q_lora, cfg.ttt_k_lora, cfg.ttt_v_lora, cfg.ttt_o_lora, cfg.ttt_mlp_lora)
-        outs = {n: d for (n, d), o in zip(outs.items(), on) if o}
-        keys = [(n, i) for i in range(cfg.num_layers) for n in outs] + [("head", 0)]
+        on = {"attn.q": cfg.ttt_q_lora, "attn.k": cfg.ttt_k_lora, "attn.v": cfg.ttt_v_lora, "attn.o": cfg.ttt_o_lora,
+              "mlp": cfg.ttt_mlp_lora, "head": True}
+        every = [(n, i) for i in range(cfg.num_layers) for n in outs] + [("head", 0)]
+        g = torch.Generator().manual_seed(0)  # a draw per possible adapter: a subset keeps the others' A
+        A0 = {key: (torch.rand(r, D, generator=g) * 2 - 1) * D ** -0.5 for key in every}
+        keys = [key for key in every if on[key[0]]]
         self.index = {key: j for j, key in enumerate(keys)}
         self.A = nn.ParameterList(torch.empty(rows, r, D, device=device) for _ in keys)
         self.B = nn.ParameterList(torch.empty(rows, outs.get(n, cfg.vocab_size), r, device=device) for n, _ in keys)
-        g = torch.Generator().manual_seed(0)
-        self.A0 = [((torch.rand(r, D, generator=g) * 2 - 1) * D ** -0.5).to(device) for _ in keys]
+        self.A0 = [A0[key].to(device) for key in keys]
         self.scale = cfg.ttt_lora_alpha / r
         self.reset()
 
@@ -2022,7 +2025,7 @@ def sgd_step(rt: Runtime, scorer: Scorer, model: GPT, fn: Callable, opt: torch.o
              frozen: list[int], starts_N: Tensor, counts_N: Tensor, rows: int, T: int, clip: float) -> None:
     """One step on the mean NLL of the val targets [start, start + count) of the N rows of all ranks: this rank
     takes every world-th row, padded to `rows` rows without targets (one shape: one compile)."""
-    a, n = (F.pad(t[rt.rank::rt.world_size], (0, rows - t[rt.rank::rt.world_size].numel())) for t in (starts_N, counts_N))
+    a, n = F.pad(torch.stack((starts_N, counts_N), 1)[rt.rank::rt.world_size], (0, 0, 0, rows)).narrow(0, 0, rows).unbind(1)
     x, y, mask, _ = scorer.rows(a, torch.zeros_like(a), n, T)
     opt.zero_grad(set_to_none=False)
     with autocast(rt.device):
@@ -2037,6 +2040,7 @@ def sgd_step(rt: Runtime, scorer: Scorer, model: GPT, fn: Callable, opt: torch.o
 
 @torch.no_grad()
 def ttt_sync_grads(model: GPT, params: list[Tensor], frozen: list[int], num_layers: int) -> None:
+    """Gradients averaged over ranks; TTT_FREEZE_BLOCKS' zeroed."""
     if _distributed():
         grads = FlatTensors([p.grad for p in params])
         grads.mean()
@@ -2101,38 +2105,46 @@ def sgd_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> Sc
     return scorer.loop(warmup, list(range(n_chunks)), chunk, "ttt_chunk")
 
 
+def global_sgd_rows(cfg: Hyperparameters, rt: Runtime) -> tuple[int, int]:
+    """global_sgd's rows per step, over all ranks and on each (its one compiled shape)."""
+    per = max(1, cfg.global_ttt_chunk_tokens // cfg.eval_seq_len)
+    return per, -(-per // rt.world_size)
+
+
 def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn: Callable,
                spans: list[tuple[int, int]]) -> None:
-    """Phased TTT's SGD of all base weights on the val targets [s, e) of each span (documents already scored), in
-    rows of EVAL_SEQ_LEN from each document's start (the records pack the documents: the same targets, attention
-    within each), GLOBAL_TTT_CHUNK_TOKENS per step, cosine lr over the chunks, the last chunk not trained on."""
-    T = cfg.eval_seq_len
-    per = max(1, cfg.global_ttt_chunk_tokens // T)
-    rows = torch.tensor([(a, min(e - a, T)) for s, e in spans for a in range(s, e, T)], dtype=torch.int64,
-                        device=rt.device).view(-1, 2)
-    chunks = rows.split(per)[:-1]
+    """Phased TTT's SGD of all base weights on the val targets [s, e) of each span (scored documents): rows of
+    EVAL_SEQ_LEN from each document's start, GLOBAL_TTT_CHUNK_TOKENS // EVAL_SEQ_LEN a step, cosine lr, the last
+    step skipped. The records pack the documents into full rows: here a document's last row is part empty (more,
+    emptier steps). requires_grad flags are restored as found."""
+    T, (per, mine) = cfg.eval_seq_len, global_sgd_rows(cfg, rt)
+    row_spans = torch.tensor([(a, min(e - a, T)) for s, e in spans for a in range(s, e, T)], dtype=torch.int64,
+                             device=rt.device).view(-1, 2)
+    steps = row_spans.split(per)[:-1]
     params = list(model.parameters())
+    flags = [p.requires_grad for p in params]
     opt = torch.optim.SGD(params, lr=cfg.global_ttt_lr, momentum=cfg.global_ttt_momentum)
     model.requires_grad_(True)
     for _ in range(cfg.global_ttt_epochs):
-        for c, chunk in enumerate(chunks):
-            opt.param_groups[0]["lr"] = cfg.global_ttt_lr * 0.5 * (1 + math.cos(math.pi * c / len(chunks)))
-            sgd_step(rt, scorer, model, fn, opt, params, [], chunk[:, 0], chunk[:, 1], -(-per // rt.world_size), T,
-                     cfg.global_ttt_grad_clip)
-    model.requires_grad_(False)
+        for c, step in enumerate(steps):
+            opt.param_groups[0]["lr"] = cfg.global_ttt_lr * 0.5 * (1 + math.cos(math.pi * c / len(steps)))
+            sgd_step(rt, scorer, model, fn, opt, params, [], step[:, 0], step[:, 1], mine, T, cfg.global_ttt_grad_clip)
     opt.zero_grad(set_to_none=True)
+    for p, flag in zip(params, flags):
+        p.requires_grad_(flag)
 
 
 def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
              probe: dict[str, Tensor] | None = None) -> Score:
     """TTT_MODE=lora, score-first per document: the per-document sliding windows are cut into chunks of
-    TTT_CHUNK_SIZE targets (TTT_SHORT_SCORE_FIRST_STEPS: by the document's length) that keep their window's context.
-    Documents, most chunks first, run in lockstep batches of TTT_BATCH_SIZE (the records' scheduler): step c scores
-    chunk c of every document still going, then takes TTT_GRAD_STEPS AdamW steps on each row's mean chunk NLL (not on
-    a last chunk). Adapters and AdamW restart with each batch, so a document scores what it would alone (not with
-    TTT_WARM_START_A). PHASED_TTT_PREFIX_DOCS: the first documents of that order are scored in phases, each followed
-    by global_sgd on every document scored so far; the rest are scored with the weights of the last.
-    probe (tests) receives each target's NLL and logsumexp."""
+    TTT_CHUNK_SIZE targets (TTT_SHORT_SCORE_FIRST_STEPS: by the document's own length; the records' by its batch's
+    longest) that keep their window's context. Documents, longest first, run in lockstep batches of TTT_BATCH_SIZE
+    (the records' scheduler): step c scores chunk c of every document still going, then takes TTT_GRAD_STEPS AdamW
+    steps on each row's mean chunk NLL (not on a last chunk). Adapters and AdamW restart with each batch, so a
+    document scores what it would alone (not with TTT_WARM_START_A). PHASED_TTT_PREFIX_DOCS: the first documents of
+    that order are scored in phases, each followed by global_sgd on every document scored so far; the rest are
+    scored with the weights of the last. The order depends on the documents' lengths (where BOS tokens fall), as in
+    the records. probe (tests) receives each target's NLL and logsumexp."""
     T, R = cfg.eval_seq_len, cfg.ttt_batch_size
     starts = scorer.doc_starts(per_doc=True)  # an adapter learns one document: its windows are the document's own
     ends = starts[1:] + [scorer.tokens.numel() - 1]
@@ -2141,19 +2153,18 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
         d = bisect.bisect_right(starts, s) - 1
         C = cfg.ttt_chunk_for(ends[d] - starts[d])
         docs[d] += [(s, a, min(a + C, hi)) for a in range(lo, hi, C)]
-    order = sorted(range(len(docs)), key=lambda i: len(docs[i]), reverse=True)
+    order = sorted(range(len(docs)), key=lambda i: ends[i] - starts[i], reverse=True)
     P, N = min(cfg.phased_ttt_prefix_docs, len(docs)), cfg.phased_ttt_num_phases
-    phases = sorted({P * k // N for k in range(1, N + 1)} - {0})
+    phases = sorted({P * k // N for k in range(1, N + 1)} - {0, len(docs)})  # after the last document: no use
     edges = sorted({0, len(docs)} | set(phases))
-    steps: list[tuple[list[int], int]] = []  # (this rank's documents, the phase it ends or 0); as many on every rank
+    # (this rank's documents, then SGD on the first train_upto of `order` or 0); as many on every rank
+    steps: list[tuple[list[int], int]] = []
     for a, b in zip(edges, edges[1:]):
         mine, n = order[a:b][rt.rank::rt.world_size], -(-(b - a) // (rt.world_size * R))
-        steps += [(mine[j * R: (j + 1) * R], b if j == n - 1 and b in phases and b < len(docs) else 0)
-                  for j in range(n)]
-    lora, fresh_a = DocLoRA(cfg, R, rt.device), [True]
+        steps += [(mine[j * R: (j + 1) * R], b if j == n - 1 and b in phases else 0) for j in range(n)]
+    lora, fresh_a, sgd_rows = DocLoRA(cfg, R, rt.device), True, global_sgd_rows(cfg, rt)[1]
     model.eval()
     fn = scorer.logits_fn(model)  # a row holds one document's window
-    sgd_rows = -(-max(1, cfg.global_ttt_chunk_tokens // T) // rt.world_size)
 
     def warmup() -> None:
         if rt.compile_enabled:  # forward and backward: one graph for every rows x length
@@ -2171,13 +2182,14 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
                 model.zero_grad(set_to_none=True)
 
     def batch_of_documents(step: tuple[list[int], int]) -> Tensor:
-        ids, phase_end = step
-        batch, sums = [docs[i] for i in ids], torch.zeros(3, dtype=torch.float64, device=rt.device)
-        if batch:
-            sums = score_batch(batch)
-        if phase_end:
-            global_sgd(cfg, rt, model, scorer, fn, [(starts[i], ends[i]) for i in order[:phase_end]])
-            fresh_a[0] = True
+        nonlocal fresh_a
+        ids, train_upto = step
+        sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
+        if ids:  # most chunks first: the documents still going are the first rows
+            sums = score_batch(sorted((docs[i] for i in ids), key=len, reverse=True))
+        if train_upto:
+            global_sgd(cfg, rt, model, scorer, fn, [(starts[i], ends[i]) for i in order[:train_upto]])
+            fresh_a = True
         return sums
 
     def score_batch(batch: list[list[tuple[int, int, int]]]) -> Tensor:
@@ -2188,12 +2200,13 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
             plan[:len(d) - 1, r, 3] = 1  # the last chunk is not trained on
         if rt.device.type == "cuda":  # pinned, so the copy does not wait for the GPU to drain
             plan = plan.pin_memory().to(rt.device, non_blocking=True)
-        lora.reset(keep_a=cfg.ttt_warm_start_a and not fresh_a[0])
-        fresh_a[0] = False
+        nonlocal fresh_a
+        lora.reset(keep_a=cfg.ttt_warm_start_a and not fresh_a)
+        fresh_a = False
         opt = torch.optim.AdamW(lora.parameters(), lr=cfg.ttt_lora_lr, betas=(0.0, 0.99), eps=1e-10,
                                 weight_decay=cfg.ttt_weight_decay, fused=rt.device.type == "cuda")
         for c in range(len(batch[0])):
-            going = [d[c] for d in batch if c < len(d)]  # the batch's first rows: it is sorted by length
+            going = [d[c] for d in batch if c < len(d)]  # the batch's first rows: most chunks first
             # rows rounded up to 8, as long as the longest window needs (a power of two, max(T/16, 8)..T; below 8
             # dynamo would specialise): a step costs what it holds; causal attention keeps it exact
             n = min(R, -(-len(going) // 8) * 8)

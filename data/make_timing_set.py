@@ -10,7 +10,9 @@ first documents, so the sum is exact. The first --take documents are written (25
 Each is the first words of a train document of --src (the k-th longest length takes the k-th longest document), cut
 at the last word start within its length: the documents re-encode to their ids, as train_gpt.py's tokenizer check
 asks, and are a few tokens shorter than drawn (the output says both totals). Timing needs the shape: a score on it
-means nothing. On the sp1024 proxy (4 train shards, 45,000 documents): 25,000 documents, 23,875,383 tokens against
+means nothing. The lengths come from few documents (902 on the proxy): the longest, which set the first batches and
+a phased TTT's prefix, are a few scaled copies. Half the set (--take 25000) on 4 GPUs is the whole on 8 when per-rank
+settings are halved too (PHASED_TTT_PREFIX_DOCS=1250 for the records' 2,500). On the sp1024 proxy (4 train shards, 45,000 documents): 25,000 documents, 23,875,383 tokens against
 23,913,333 drawn, the first 50 all re-encode, 4.5 s on this project's 2-core machine. Writes --out/fineweb_val_000000.bin and the byte sidecar
 fineweb_val_bytes_000000.bin (each target's bytes by the challenge's tokenizer rule, train_gpt.build_byte_luts, which
 train_gpt.py reads in place of a CaseOps sidecar), and prints the documents and tokens written.
@@ -25,8 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shards import read_shard, write_shard  # noqa: E402
-
-BOS = 1
+from train_gpt import BOS_ID as BOS  # noqa: E402
 
 
 def shard_paths(src: Path, split: str) -> list[Path]:
@@ -82,8 +83,9 @@ def main(argv: list[str] | None = None) -> dict:
     docs = []
     for n, d in zip(want - 1, doc):
         a, e = firsts[d] + 1, firsts[d] + 1 + min(n, have[d])
-        w = words[np.searchsorted(words, e, side="right") - 1] if e < a + have[d] else e
-        docs.append(np.concatenate(([BOS], train[a: w if w > a else e])))
+        k = np.searchsorted(words, e, side="right") - 1  # the last word start at or before e
+        cut = words[k] if e < a + have[d] and k >= 0 and words[k] > a else e  # else whole, or mid-word
+        docs.append(np.concatenate(([BOS], train[a:cut])))
     out = np.concatenate(docs).astype(np.uint16)
     base, space, boundary = (t.numpy() for t in train_gpt.build_byte_luts(sp, sp.vocab_size(), torch.device("cpu")))
     x, y = out[:-1].astype(np.int64), out[1:].astype(np.int64)

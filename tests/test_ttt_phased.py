@@ -74,7 +74,7 @@ def test_phases_change_no_score_made_before_the_changed_token(p, monkeypatch):
 
 
 def test_phases_train_on_every_scored_prefix_document_and_move_later_scores(monkeypatch):
-    """Two phases of 3 documents (the 6 with most chunks): the second SGD call trains on the first call's documents
+    """Two phases of 3 documents (the 6 longest): the second SGD call trains on the first call's documents
     and its own; a token of the first phase moves the scores of both later phases (the SGD reached them)."""
     cfg = lora_cfg(**PHASED)
     _, nll, _, calls = observed_run(cfg, make_stream(270), monkeypatch)
@@ -102,8 +102,8 @@ def test_warm_started_a_is_causal_in_batch_order_and_carries_across_batches(monk
     assert torch.equal(off[0][later], off[1][later])  # without it, other documents never move
 
 
-def test_a_is_redrawn_after_each_phase(monkeypatch):
-    """With phases and warm A, every batch that starts a phase resets A: its adapters are what a fresh DocLoRA has."""
+def test_a_is_reset_after_each_phase(monkeypatch):
+    """With phases and warm A, every batch that starts a phase resets A to its initial draw (a fresh DocLoRA's)."""
     cfg, seen = lora_cfg(**PHASED, ttt_warm_start_a=True), []
     real = tg.DocLoRA.reset
 
@@ -242,3 +242,22 @@ def test_an_evaluation_context_longer_than_training_scores_with_the_same_rope():
     for cfg in (long, dataclasses.replace(long, **PHASED)):
         scorer = make_scorer(cfg, tokens, make_luts())
         assert tg.lora_ttt(cfg, scorer.rt, model_for(cfg), scorer).tokens == 269
+
+
+def test_compiled_phases_make_two_graphs_and_never_recompile():
+    """Compiled (aot_eager here), lora TTT with two phases makes its two graphs in the warmup, the adapters' (any
+    rows x length) and the phases' SGD rows (one shape on every step), recompiles neither, scores what the uncompiled
+    run scores, and leaves no gradient on the model."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    cfg, tokens = lora_cfg(**(PHASED | dict(ttt_batch_size=16))), make_stream(270)
+    plain = tg.lora_ttt(cfg, (s := make_scorer(cfg, tokens, make_luts())).rt, model_for(cfg), s)
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    scorer = make_scorer(cfg, tokens, make_luts())
+    rt, model = dataclasses.replace(scorer.rt, compile_enabled=True), model_for(cfg)
+    import unittest.mock
+    with unittest.mock.patch.object(tg, "compiled", lambda fn, rt: torch.compile(fn, backend=counter, dynamic=False)):
+        score = tg.lora_ttt(cfg, rt, model, scorer)
+    assert counter.frame_count == 2
+    assert score.loss == pytest.approx(plain.loss, rel=1e-5)
+    assert all(p.grad is None and p.requires_grad for p in model.parameters())
