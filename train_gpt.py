@@ -235,8 +235,7 @@ class Hyperparameters:
                            POSITIVE, on="ttt_mode=lora")
     ttt_weight_decay: float = S(0.5, "AdamW weight decay of the adapters", NON_NEGATIVE, on="ttt_mode=lora")
     ttt_grad_steps: int = S(1, "AdamW steps on a chunk after it is scored (0 = score only); 2 at lr 1e-4: -0.0063 vs "
-                            "-0.0055, twice the time",
-                            NON_NEGATIVE, on="ttt_mode=lora")
+                            "-0.0055, twice the time", NON_NEGATIVE, on="ttt_mode=lora")
     ttt_chunk_size: int = S(64, "targets per chunk of a document (scored, then trained on); EVAL_STRIDE: a window each",
                             POSITIVE, on="ttt_mode=lora")
     ttt_batch_size: int = S(64, "documents per lockstep batch (rows of a step) on each rank", POSITIVE,
@@ -386,14 +385,10 @@ class Hyperparameters:
         end = min(self.loop_end, self.num_layers - 1)
         return min(self.loop_start, end), end
 
-    @property
-    def ttt_short_steps(self) -> list[tuple[int, int]]:
-        """TTT_SHORT_SCORE_FIRST_STEPS as (max targets, chunk) pairs, shortest first."""
-        return sorted(tuple(map(int, p.split(":"))) for p in self.ttt_short_score_first_steps.split(",") if p.strip())
-
     def ttt_chunk_for(self, targets: int) -> int:
         """lora TTT's chunk for a document of `targets` targets."""
-        return next((c for n, c in self.ttt_short_steps if targets <= n), self.ttt_chunk_size)
+        steps = sorted(tuple(map(int, p.split(":"))) for p in self.ttt_short_score_first_steps.split(",") if p.strip())
+        return next((c for n, c in steps if targets <= n), self.ttt_chunk_size)
 
     @property
     def ve_layer_list(self) -> list[int]:  # 0..NUM_LAYERS-1 (the default -2,-1: 9,10 of 11, the records')
@@ -454,10 +449,8 @@ def layer_matrix(banks: dict[str, Tensor], name: str, i: int, num_layers: int) -
 def layer_order(cfg: Hyperparameters, looping: bool) -> list[int]:
     """The layer at each position of the stack (the first half: the U-Net encoder); looping, LOOP_START..LOOP_END
     runs 1 + NUM_LOOPS times (the 04-27 record: 3..5 three times, 17 positions)."""
-    L, (a, b) = cfg.num_layers, cfg.loop_layers
-    if not (looping and cfg.num_loops > 0):
-        return list(range(L))
-    return list(range(a)) + list(range(a, b + 1)) * (cfg.num_loops + 1) + list(range(b + 1, L))
+    L, (a, b), loops = cfg.num_layers, cfg.loop_layers, cfg.num_loops if looping else 0
+    return list(range(a)) + list(range(a, b + 1)) * (loops + 1) + list(range(b + 1, L))
 
 
 def parallel_positions(cfg: Hyperparameters, looping: bool) -> list[bool]:
@@ -620,7 +613,7 @@ def claim_outputs(cfg: Hyperparameters, rt: Runtime) -> Hyperparameters:
     RUN_ID, RUN_ID_2, ... and tells the other ranks. An empty ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz; an existing
     one, or a missing or read-only folder, is refused now, not after training."""
     def claim() -> Hyperparameters:
-        logs, artifact, n = Path("logs"), Path(cfg.artifact_path), 1
+        logs, artifact = Path("logs"), Path(cfg.artifact_path)
         logs.mkdir(exist_ok=True)
         for folder, what in ((logs, "the log folder"), (artifact.parent, "ARTIFACT_PATH's folder")):
             if not folder.is_dir():
@@ -630,9 +623,8 @@ def claim_outputs(cfg: Hyperparameters, rt: Runtime) -> Hyperparameters:
         if cfg.artifact_path and not cfg.eval_only and (artifact.exists() or artifact.suffix in (".txt", ".ckpt")):
             raise FileExistsError(f"ARTIFACT_PATH {artifact} " + ("exists: a run never overwrites a file (move it, or "
                                   "set another path)" if artifact.exists() else "is named like a log or checkpoint"))
-        while True:
+        for n in itertools.count(1):
             run_id = cfg.run_id if n == 1 else f"{cfg.run_id}_{n}"
-            n += 1
             with contextlib.suppress(FileExistsError):
                 if not any((logs / f"{run_id}{ext}").exists() for ext in (".ckpt", ".int6.ptz")):
                     os.close(os.open(logs / f"{run_id}.txt", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
@@ -692,15 +684,14 @@ POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
 
 
-def newton_schulz(G_BMN: Tensor, steps: int, eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16,
-                  polar: bool = False) -> Tensor:
+def newton_schulz(G_BMN: Tensor, steps: int, dtype: torch.dtype = torch.bfloat16, polar: bool = False) -> Tensor:
     """The orthogonal polar factor U V^T of each matrix, approximately (singular values in about [0.7, 1.2]: Muon's
     design), on the wide orientation after Frobenius normalisation; bf16 as the reference (fp32: CPU tests)."""
     X = G_BMN.to(dtype)
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     for k in range(steps):  # baddbmm fuses the polynomial's sums into the matmuls: 3 kernels per step
         a, b, c = POLAR_EXPRESS[min(k, len(POLAR_EXPRESS) - 1)] if polar else NS_COEFFS
         A = X @ X.mT
@@ -731,9 +722,8 @@ class ParallelMuon(torch.optim.Optimizer):
     on the local shard; each stack's all-gathers overlap the next stack's NS). One momentum shard per bank per rank:
     with one rank the whole bank, so the same code and state_dict serve 1 or N ranks."""
 
-    def __init__(self, banks: list[Tensor], lr: float, momentum: float, weight_decay: float,
-                 ns_steps: int, comm_dtype: torch.dtype, world_size: int, polar: bool = False,
-                 row_normalize: bool = False):
+    def __init__(self, banks: list[Tensor], lr: float, momentum: float, weight_decay: float, ns_steps: int,
+                 comm_dtype: torch.dtype, world_size: int, polar: bool = False, row_normalize: bool = False):
         super().__init__(banks, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
         self.comm_dtype, self.world_size, self.polar, self.row_normalize = comm_dtype, world_size, polar, row_normalize
         self.banks = sorted(banks, key=lambda p: -p.numel())  # biggest reduce-scatter first
@@ -2026,13 +2016,10 @@ def sgd_step(rt: Runtime, scorer: Scorer, model: GPT, fn: Callable, opt: torch.o
     """One step on the mean NLL of the val targets [start, start + count) of the N rows of all ranks: this rank
     takes every world-th row, padded to `rows` rows without targets (one shape: one compile)."""
     a, n = F.pad(torch.stack((starts_N, counts_N), 1)[rt.rank::rt.world_size], (0, 0, 0, rows)).narrow(0, 0, rows).unbind(1)
-    x, y, mask, _ = scorer.rows(a, torch.zeros_like(a), n, T)
     opt.zero_grad(set_to_none=False)
-    with autocast(rt.device):
-        logits = fn(x)
-    nll = cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+    _, nll, (_, _, mask, _) = scorer.rows_nll(fn, torch.stack((a, a, a + n), 1), T)
     # x world_size: the ranks' gradients are averaged, and each holds 1/world of the batch
-    ((nll.view(rows, T) * mask).sum() * rt.world_size / counts_N.sum()).backward()
+    ((nll * mask).sum() * rt.world_size / counts_N.sum()).backward()
     ttt_sync_grads(model, params, frozen, model.cfg.num_layers)
     torch.nn.utils.clip_grad_norm_(params, clip)
     opt.step()
@@ -2056,15 +2043,15 @@ def ttt_sync_grads(model: GPT, params: list[Tensor], frozen: list[int], num_laye
 
 
 @contextlib.contextmanager
-def frozen_weights(model: nn.Module):
-    """The model's weights without gradients for the block; their requires_grad flags restored as found."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    model.requires_grad_(False)
+def grad_flags(model: nn.Module, on: bool):
+    """The model's weights with requires_grad=on for the block; flags restored as found."""
+    flags = [p.requires_grad for p in model.parameters()]
+    model.requires_grad_(on)
     try:
         yield
     finally:
-        for p in trainable:
-            p.requires_grad_(True)
+        for p, flag in zip(model.parameters(), flags):
+            p.requires_grad_(flag)
 
 
 def sgd_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> Score:
@@ -2122,16 +2109,14 @@ def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn
                              device=rt.device).view(-1, 2)
     steps = row_spans.split(per)[:-1]
     params = list(model.parameters())
-    flags = [p.requires_grad for p in params]
     opt = torch.optim.SGD(params, lr=cfg.global_ttt_lr, momentum=cfg.global_ttt_momentum)
-    model.requires_grad_(True)
-    for _ in range(cfg.global_ttt_epochs):
-        for c, step in enumerate(steps):
-            opt.param_groups[0]["lr"] = cfg.global_ttt_lr * 0.5 * (1 + math.cos(math.pi * c / len(steps)))
-            sgd_step(rt, scorer, model, fn, opt, params, [], step[:, 0], step[:, 1], mine, T, cfg.global_ttt_grad_clip)
-    opt.zero_grad(set_to_none=True)
-    for p, flag in zip(params, flags):
-        p.requires_grad_(flag)
+    with grad_flags(model, True):
+        for _ in range(cfg.global_ttt_epochs):
+            for c, step in enumerate(steps):
+                opt.param_groups[0]["lr"] = cfg.global_ttt_lr * 0.5 * (1 + math.cos(math.pi * c / len(steps)))
+                sgd_step(rt, scorer, model, fn, opt, params, [], step[:, 0], step[:, 1], mine, T,
+                         cfg.global_ttt_grad_clip)
+        opt.zero_grad(set_to_none=True)
 
 
 def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
@@ -2155,7 +2140,7 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
         docs[d] += [(s, a, min(a + C, hi)) for a in range(lo, hi, C)]
     order = sorted(range(len(docs)), key=lambda i: ends[i] - starts[i], reverse=True)
     P, N = min(cfg.phased_ttt_prefix_docs, len(docs)), cfg.phased_ttt_num_phases
-    phases = sorted({P * k // N for k in range(1, N + 1)} - {0, len(docs)})  # after the last document: no use
+    phases = sorted({P * k // N for k in range(1, N + 1)} - {0, len(docs)})
     edges = sorted({0, len(docs)} | set(phases))
     # (this rank's documents, then SGD on the first train_upto of `order` or 0); as many on every rank
     steps: list[tuple[list[int], int]] = []
@@ -2175,10 +2160,8 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
                 fn(x, lora).float().sum().backward()
             lora.zero_grad(set_to_none=True)
             if phases:  # and global_sgd's
-                model.requires_grad_(True)
-                with autocast(rt.device):
+                with grad_flags(model, True), autocast(rt.device):
                     fn(torch.zeros(sgd_rows, T, dtype=torch.int64, device=rt.device)).float().sum().backward()
-                model.requires_grad_(False)
                 model.zero_grad(set_to_none=True)
 
     def batch_of_documents(step: tuple[list[int], int]) -> Tensor:
@@ -2228,10 +2211,9 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
         return sums
 
     done = list(itertools.accumulate(len(ids) for ids, _ in steps))
-    with frozen_weights(model):  # gradients reach the adapters only (and the base weights in global_sgd)
-        return scorer.loop(warmup, steps, batch_of_documents, "ttt_lora_docs", done,
-                           f"ttt_lora documents:{len(docs)} chunks:{sum(map(len, docs))} rank0_documents:{done[-1]} "
-                           f"rows:{R} phases:{phases}")
+    with grad_flags(model, False):  # gradients reach the adapters only (and the base weights in global_sgd)
+        return scorer.loop(warmup, steps, batch_of_documents, "ttt_lora_docs", done, f"ttt_lora documents:{len(docs)} "
+                           f"chunks:{sum(map(len, docs))} rank0_documents:{done[-1]} rows:{R} phases:{phases}")
 
 
 # ===== Export: int6 banks, int8 tables, fp16 rest on the grid of the Model section; no pickle; compressed =====
@@ -2427,9 +2409,7 @@ def predict_artifact_bytes(cfg: Hyperparameters) -> int:
     q8_bits = PREDICT_BITS["q8"] - (8 - cfg.embed_bits)  # about a bit less per bit dropped
     for name, t in unbank(state, cfg.num_layers).items():
         kind = storage(name, t, banked)
-        bits = q8_bits
-        if kind == "q6":
-            bits = sd_clip_bits(clip_sigmas(cfg, banked[name][0])) or PREDICT_BITS["q6"]
+        bits = (sd_clip_bits(clip_sigmas(cfg, banked[name][0])) or PREDICT_BITS["q6"]) if kind == "q6" else q8_bits
         total += PREDICT_SIDE_BYTES * t.numel() if kind == "f16" else (
             t.numel() * bits / 8 + PREDICT_SIDE_BYTES * t.shape[0])
     return round(total * PREDICT_CODER[cfg.compressor])
@@ -2656,8 +2636,7 @@ def rans_compress(payload: bytes) -> bytes:
     freq = rans_tables(sym, tid, RANS_TABLES, 256)
     states, counts, words = rans_encode(sym, tid, freq)
     side = lzma.compress(payload[:start] + b"".join(rest) + b"".join(logs) + freq.astype("<u2").tobytes() +
-                         states.astype("<u4").tobytes() + counts.astype("<u4").tobytes(),
-                         format=lzma.FORMAT_XZ, preset=LZMA_PRESET)
+                         states.astype("<u4").tobytes() + counts.astype("<u4").tobytes(), preset=LZMA_PRESET)
     return struct.pack("<I", len(side)) + side + words.astype("<u2").tobytes()
 
 
