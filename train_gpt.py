@@ -2015,9 +2015,9 @@ def sgd_step(rt: Runtime, scorer: Scorer, model: GPT, fn: Callable, opt: torch.o
              frozen: list[int], starts_N: Tensor, counts_N: Tensor, rows: int, T: int, clip: float) -> None:
     """One step on the mean NLL of the val targets [start, start + count) of the N rows of all ranks: this rank
     takes every world-th row, padded to `rows` rows without targets (one shape: one compile)."""
-    a, n = F.pad(torch.stack((starts_N, counts_N), 1)[rt.rank::rt.world_size], (0, 0, 0, rows)).narrow(0, 0, rows).unbind(1)
+    w = torch.stack((starts_N, starts_N, starts_N + counts_N), 1)[rt.rank::rt.world_size]  # windows, all scored
     opt.zero_grad(set_to_none=False)
-    _, nll, (_, _, mask, _) = scorer.rows_nll(fn, torch.stack((a, a, a + n), 1), T)
+    _, nll, (_, _, mask, _) = scorer.rows_nll(fn, F.pad(w, (0, 0, 0, rows - w.size(0))), T)
     # x world_size: the ranks' gradients are averaged, and each holds 1/world of the batch
     ((nll * mask).sum() * rt.world_size / counts_N.sum()).backward()
     ttt_sync_grads(model, params, frozen, model.cfg.num_layers)
@@ -2176,6 +2176,7 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
         return sums
 
     def score_batch(batch: list[list[tuple[int, int, int]]]) -> Tensor:
+        nonlocal fresh_a
         sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
         plan = torch.zeros(len(batch[0]), R, 4, dtype=torch.int64)  # step c's rows: window, trained; one copy
         for r, d in enumerate(batch):
@@ -2183,7 +2184,6 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
             plan[:len(d) - 1, r, 3] = 1  # the last chunk is not trained on
         if rt.device.type == "cuda":  # pinned, so the copy does not wait for the GPU to drain
             plan = plan.pin_memory().to(rt.device, non_blocking=True)
-        nonlocal fresh_a
         lora.reset(keep_a=cfg.ttt_warm_start_a and not fresh_a)
         fresh_a = False
         opt = torch.optim.AdamW(lora.parameters(), lr=cfg.ttt_lora_lr, betas=(0.0, 0.99), eps=1e-10,

@@ -12,10 +12,11 @@ at the last word start within its length: the documents re-encode to their ids, 
 asks, and are a few tokens shorter than drawn (the output says both totals). Timing needs the shape: a score on it
 means nothing. The lengths come from few documents (902 on the proxy): the longest, which set the first batches and
 a phased TTT's prefix, are a few scaled copies. Half the set (--take 25000) on 4 GPUs is the whole on 8 when per-rank
-settings are halved too (PHASED_TTT_PREFIX_DOCS=1250 for the records' 2,500). On the sp1024 proxy (4 train shards, 45,000 documents): 25,000 documents, 23,875,383 tokens against
-23,913,333 drawn, the first 50 all re-encode, 4.5 s on this project's 2-core machine. Writes --out/fineweb_val_000000.bin and the byte sidecar
-fineweb_val_bytes_000000.bin (each target's bytes by the challenge's tokenizer rule, train_gpt.build_byte_luts, which
-train_gpt.py reads in place of a CaseOps sidecar), and prints the documents and tokens written.
+settings are halved too (PHASED_TTT_PREFIX_DOCS=1250 for the records' 2,500). On the sp1024 proxy (4 train shards,
+45,000 documents): 25,000 documents, 23,875,383 tokens against 23,913,333 drawn, the first 50 all re-encode, 4.5 s on
+this project's 2-core machine. Writes --out/fineweb_val_000000.bin and the byte sidecar fineweb_val_bytes_000000.bin
+(each target's bytes by the challenge's tokenizer rule, train_gpt.build_byte_luts, which train_gpt.py reads in place
+of a CaseOps sidecar), and prints the documents and tokens written.
 """
 from __future__ import annotations
 
@@ -24,17 +25,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import sentencepiece as spm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shards import read_shard, write_shard  # noqa: E402
+import train_gpt  # noqa: E402  (the shard format's home, on sys.path through shards)
 from train_gpt import BOS_ID as BOS  # noqa: E402
-
-
-def shard_paths(src: Path, split: str) -> list[Path]:
-    paths = sorted(p for p in src.glob(f"fineweb_{split}_*.bin") if "_bytes_" not in p.name)
-    if not paths:
-        raise SystemExit(f"error: no fineweb_{split}_*.bin in {src}")
-    return paths
 
 
 def lengths(docs: int, tokens: int, source: np.ndarray, seed: int) -> np.ndarray:
@@ -61,19 +57,16 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if not 0 < args.take <= args.docs:
         raise SystemExit(f"error: --take must be in 1..--docs ({args.docs})")
-    val = np.concatenate([read_shard(p) for p in shard_paths(args.src, "val")])
+    val = np.concatenate([read_shard(p) for p in train_gpt.shard_files(args.src, "val")])
     starts = np.flatnonzero(val == BOS)
     if starts.size == 0 or starts[0] != 0:
         raise SystemExit(f"error: {args.src}'s val stream does not start with BOS={BOS}")
     want = lengths(args.docs, args.tokens, np.diff(np.append(starts, val.size)), args.seed)[: args.take]
-    train = np.concatenate([read_shard(p) for p in shard_paths(args.src, "train")])
+    train = np.concatenate([read_shard(p) for p in train_gpt.shard_files(args.src, "train")])
     firsts = np.flatnonzero(train == BOS)
     have = np.diff(np.append(firsts, train.size)) - 1  # each train document's tokens after its BOS
     if have.size < want.size:
         raise SystemExit(f"error: {args.src}'s train shards hold {have.size} documents, --take needs {want.size}")
-    import sentencepiece as spm
-    import torch
-    import train_gpt
     sp = spm.SentencePieceProcessor(model_file=args.tokenizer)
     # the k-th longest drawn length takes the k-th longest train document, cut to it at a word start (a piece with
     # U+2581) at or before it: a document's first words re-encode to its ids, as train_gpt.py's tokenizer check asks
@@ -87,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
         cut = words[k] if e < a + have[d] and k >= 0 and words[k] > a else e  # else whole, or mid-word
         docs.append(np.concatenate(([BOS], train[a:cut])))
     out = np.concatenate(docs).astype(np.uint16)
-    base, space, boundary = (t.numpy() for t in train_gpt.build_byte_luts(sp, sp.vocab_size(), torch.device("cpu")))
+    base, space, boundary = (t.numpy() for t in train_gpt.build_byte_luts(sp, sp.vocab_size(), "cpu"))
     x, y = out[:-1].astype(np.int64), out[1:].astype(np.int64)
     sidecar = np.zeros(out.size, dtype=np.uint16)  # value i: the bytes of target i - 1 (token i), as the scorer reads
     sidecar[1:] = base[y] + (space[y] & ~boundary[x])
