@@ -37,6 +37,11 @@ if [ "${SP8192:-0}" = 1 ]; then
       && tail -1 /tmp/pg/retokenize.log || { cat /tmp/pg/retokenize.log; unset SP8192_DATA SP8192_TOKENIZER; }
   fi
 fi
+# several GPUs, one job each: inductor's default of one compile worker per core (64 per job on a 4-GPU machine) came
+# with 100-150 s stalls in every job; 8 workers and 8 OpenMP threads a job did not stall (records/PERFORMANCE.md)
+if [ "$(nvidia-smi -L | wc -l)" -gt 1 ]; then
+  export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-8} OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+fi
 unset SHARDS SP8192  # train_gpt.py refuses unknown settings that look like its own
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__)"
