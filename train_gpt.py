@@ -2134,10 +2134,10 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
     starts = scorer.doc_starts(per_doc=True)  # an adapter learns one document: its windows are the document's own
     ends = starts[1:] + [scorer.tokens.numel() - 1]
     docs: list[list[tuple[int, int, int]]] = [[] for _ in starts]
+    chunk = [cfg.ttt_chunk_for(e - s) for s, e in zip(starts, ends)]
     for s, lo, hi in scorer.windows(cfg.eval_stride, per_doc=True).tolist():
         d = bisect.bisect_right(starts, s) - 1
-        C = cfg.ttt_chunk_for(ends[d] - starts[d])
-        docs[d] += [(s, a, min(a + C, hi)) for a in range(lo, hi, C)]
+        docs[d] += [(s, a, min(a + chunk[d], hi)) for a in range(lo, hi, chunk[d])]
     order = sorted(range(len(docs)), key=lambda i: ends[i] - starts[i], reverse=True)
     P, N = min(cfg.phased_ttt_prefix_docs, len(docs)), cfg.phased_ttt_num_phases
     phases = sorted({P * k // N for k in range(1, N + 1)} - {0, len(docs)})
