@@ -28,6 +28,7 @@ import numpy as np
 import sentencepiece as spm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from retokenize import byte_luts, target_bytes  # noqa: E402
 from shards import read_shard, write_shard  # noqa: E402
 import train_gpt  # noqa: E402  (the shard format's home, on sys.path through shards)
 from train_gpt import BOS_ID as BOS  # noqa: E402
@@ -80,10 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
         cut = words[k] if e < a + have[d] and k >= 0 and words[k] > a else e  # else whole, or mid-word
         docs.append(np.concatenate(([BOS], train[a:cut])))
     out = np.concatenate(docs).astype(np.uint16)
-    base, space, boundary = (t.numpy() for t in train_gpt.build_byte_luts(sp, sp.vocab_size(), "cpu"))
-    x, y = out[:-1].astype(np.int64), out[1:].astype(np.int64)
     sidecar = np.zeros(out.size, dtype=np.uint16)  # value i: the bytes of target i - 1 (token i), as the scorer reads
-    sidecar[1:] = base[y] + (space[y] & ~boundary[x])
+    sidecar[1:] = target_bytes(out, byte_luts(sp))
     args.out.mkdir(parents=True, exist_ok=True)
     write_shard(args.out / "fineweb_val_000000.bin", out)
     write_shard(args.out / "fineweb_val_bytes_000000.bin", sidecar)

@@ -148,12 +148,16 @@ def byte_luts(sp: spm.SentencePieceProcessor) -> tuple[np.ndarray, np.ndarray, n
     return tuple(t.numpy() for t in train_gpt.build_byte_luts(sp, sp.vocab_size(), "cpu"))
 
 
-def rule_bytes(ids: np.ndarray, luts: tuple[np.ndarray, np.ndarray, np.ndarray]) -> int:
-    """Bytes the challenge counts for the targets ids[1:] given their previous ids (train_gpt's Scorer); ids
-    start with BOS, which as a target counts 0 bytes, so streams of documents add up."""
+def target_bytes(ids: np.ndarray, luts: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+    """The bytes the challenge counts for each target ids[1:] given its previous id (train_gpt's Scorer)."""
     base, space, boundary = luts
     x, y = ids[:-1].astype(np.int64), ids[1:].astype(np.int64)
-    return int(base[y].sum(dtype=np.int64) + (space[y] & ~boundary[x]).sum(dtype=np.int64))
+    return base[y] + (space[y] & ~boundary[x])
+
+
+def rule_bytes(ids: np.ndarray, luts: tuple[np.ndarray, np.ndarray, np.ndarray]) -> int:
+    """Their sum; ids start with BOS, which as a target counts 0 bytes, so streams of documents add up."""
+    return int(target_bytes(ids, luts).sum(dtype=np.int64))
 
 
 # ---------------------------------------------------------------- one shard
