@@ -122,7 +122,8 @@ class Hyperparameters:
     xsa_last_n: int = S(11, "exclusive self-attention on the last N layers", NON_NEGATIVE, True)
     bigram_vocab_size: int = S(0, "BigramHash buckets (0 = off)", NON_NEGATIVE, True)
     bigram_dim: int = S(128, "BigramHash table width (projected to MODEL_DIM)", POSITIVE, True, "bigram_vocab_size")
-    smear_enabled: bool = S(True, "SmearGate on the embedding", model=True)
+    smear_enabled: bool = S(False, "the seed's SmearGate: per-channel mix with the previous position, after the norm",
+                            model=True)
     ve_enabled: bool = S(False, "shared value embedding added to V", model=True)
     ve_dim: int = S(128, "value-embedding table width (projected to the KV width)", POSITIVE, True, "ve_enabled")
     ve_layers: str = S("-2,-1", "comma-separated layers; negative ones count back from NUM_LAYERS (-1: the last)",
@@ -145,8 +146,10 @@ class Hyperparameters:
     sparse_attn_gate_scale: float = S(0.5, "SCALE of the sparse gate", POSITIVE, True, "sparse_attn_gate_enabled")
     sparse_attn_gate_init_std: float = S(0.0, "its W's init std (0 = zeros)", NON_NEGATIVE,
                                          on="sparse_attn_gate_enabled")
-    gate_window: int = S(12, "leading channels of the normed attention input h the gate reads", POSITIVE, True,
-                         "sparse_attn_gate_enabled")
+    smear_gate_enabled: bool = S(True, "the 04-27 record's SmearGate, before the norm: e_t += lam sig(w e_t[:GATE_WINDOW]) "
+                                 "e_(t-1) (w, lam zero: identity at init)", model=True)
+    gate_window: int = S(12, "leading channels the sparse gate (of h) and the SmearGate (of e) read", POSITIVE, True,
+                         "sparse_attn_gate_enabled|smear_gate_enabled")
     smear_bos_fix: bool = S(True, "SmearGate mixes nothing into a document's BOS from the one before", model=True)
     doc_isolation: bool = S(True, "nothing crosses a BOS: block-diagonal attention, BigramHash (train and score)",
                             model=True)
@@ -294,6 +297,9 @@ class Hyperparameters:
         on = SETTINGS[name].metadata["on"]
         if not on:
             return ""
+        if "|" in on:  # read while any of these features is on
+            return "" if any(getattr(self, k) for k in on.split("|")) else \
+                f"is ignored: {' and '.join(k.upper() + '=0' for k in on.split('|'))} turn its features off"
         key, _, mode = on.partition("=")
         value, why = getattr(self, key), self.ignored(key)
         if why or mode:
@@ -347,8 +353,11 @@ class Hyperparameters:
             lanes = parallel_positions(self, looping)
             need(lanes == sorted(lanes), f"PARALLEL_START_LAYER={self.parallel_start_layer} puts a serial layer "
                  f"after a parallel one in the decoder {layer_order(self, looping)[len(lanes) // 2:]}")
-        need(self.attn_gate_window <= self.model_dim, "GATE_WINDOW must be <= MODEL_DIM")
-        need(not (self.doc_isolation and self.smear_enabled and not self.smear_bos_fix),
+        need(self.gate_window <= self.model_dim or not (self.sparse_attn_gate_enabled or self.smear_gate_enabled),
+             "GATE_WINDOW must be <= MODEL_DIM")
+        need(not (self.smear_enabled and self.smear_gate_enabled), "SMEAR_ENABLED=1 (the seed's SmearGate) and "
+             "SMEAR_GATE_ENABLED=1 (the 04-27 record's) are two kinds of one gate: set one to 0")
+        need(not (self.doc_isolation and (self.smear_enabled or self.smear_gate_enabled) and not self.smear_bos_fix),
              "DOC_ISOLATION=1 needs SMEAR_BOS_FIX=1 (the SmearGate would carry the previous document into a BOS)")
         need(self.late_qat_threshold == 0 or self.min_lr < self.late_qat_threshold,
              "MIN_LR must be below LATE_QAT_THRESHOLD: late QAT starts when the lr scale falls under it")
@@ -1355,8 +1364,11 @@ class GPT(nn.Module):
             self.bigram.embed = nn.Embedding(cfg.bigram_vocab_size, cfg.bigram_dim)
             self.bigram.proj = nn.Linear(cfg.bigram_dim, D, bias=False)
             self.bigram.scale = nn.Parameter(torch.tensor(0.05))
-        if cfg.smear_enabled:  # SmearGate: per-channel mix with the previous position
+        if cfg.smear_enabled:  # the seed's SmearGate: per-channel mix with the previous position
             self.smear_gate = nn.Parameter(torch.zeros(D))
+        if cfg.smear_gate_enabled:  # the 04-27 record's: one gate per position, from the embedding's first channels
+            self.smear_gate_w = nn.Parameter(torch.zeros(1, cfg.gate_window))
+            self.smear_lambda = nn.Parameter(torch.zeros(1))
         if cfg.ve_layer_list:  # value embeddings: token identity re-injected into V of late layers
             self.ve = nn.Module()
             self.ve.embed = nn.Embedding(V, cfg.ve_dim)
@@ -1397,11 +1409,15 @@ class GPT(nn.Module):
         if self.cfg.bigram_vocab_size > 0:
             b = self.bigram.proj(self.bigram.embed(bigram_hash(ids_BT, self.cfg.bigram_vocab_size, self.cfg.doc_isolation)))
             x = x + b * self.bigram.scale.to(b.dtype)
+        # a document's first token takes nothing from the previous document (SMEAR_BOS_FIX)
+        not_bos = (ids_BT != BOS_ID).unsqueeze(-1).to(x.dtype) if self.cfg.smear_bos_fix else 1.0
+        if self.cfg.smear_gate_enabled:
+            g = self.smear_lambda.to(x.dtype) * torch.sigmoid(
+                F.linear(x[..., :self.cfg.gate_window], self.smear_gate_w.to(x.dtype)))
+            x = x + g * not_bos * F.pad(x[:, :-1], (0, 0, 1, 0))
         x = rms_norm(x)
         if self.cfg.smear_enabled:
-            g = torch.sigmoid(self.smear_gate.to(x.dtype))
-            if self.cfg.smear_bos_fix:  # a document's first token takes nothing from the previous document
-                g = g * (ids_BT != BOS_ID).unsqueeze(-1).to(x.dtype)
+            g = torch.sigmoid(self.smear_gate.to(x.dtype)) * not_bos
             x = (1 - g) * x + g * F.pad(x[:, :-1], (0, 0, 1, 0))
         return x
 

@@ -261,12 +261,14 @@ MODEL_CONFIGS = {
                  BIGRAM_VOCAB_SIZE=64, BIGRAM_DIM=16, VE_DIM=16, VE_LAYERS="2,4", XSA_LAST_N=3, LOGIT_SOFTCAP=10,
                  NUM_LOOPS=1, LOOP_START=1, LOOP_END=2, PARALLEL_START_LAYER=3, PARALLEL_FINAL_LANE="mlp",
                  SKIP_GATES_ENABLED=1, SPARSE_ATTN_GATE_ENABLED=1, SPARSE_ATTN_GATE_SCALE=0.5, GATE_WINDOW=12,
-                 SMEAR_BOS_FIX=1),
-    # part (b), no loop: XSA on every layer, the sparse output gate on 8 channels, gated skips, BOS smear fix;
+                 SMEAR_BOS_FIX=1, SMEAR_ENABLED=0, SMEAR_GATE_ENABLED=1),
+    # part (b), no loop: XSA on every layer, the sparse output gate on 8 channels, gated skips, the record's SmearGate
+    # (8 channels) with its BOS fix;
     # PARALLEL_START_LAYER=1 reaches into the encoder (0 1 | 2 3), where layers stay serial: lanes in 2 and 3
     "gates": dict(NUM_LAYERS=4, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=1, ROPE_DIMS=8, VOCAB_SIZE=64,
                   BIGRAM_VOCAB_SIZE=32, BIGRAM_DIM=8, VE_DIM=8, VE_LAYERS="1", XSA_LAST_N=4, SPARSE_ATTN_GATE_ENABLED=1,
-                  SPARSE_ATTN_GATE_SCALE=0.5, GATE_WINDOW=8, SKIP_GATES_ENABLED=1, SMEAR_BOS_FIX=1, PARALLEL_START_LAYER=1),
+                  SPARSE_ATTN_GATE_SCALE=0.5, GATE_WINDOW=8, SKIP_GATES_ENABLED=1, SMEAR_BOS_FIX=1, PARALLEL_START_LAYER=1,
+                  SMEAR_ENABLED=0, SMEAR_GATE_ENABLED=1),
 }
 
 

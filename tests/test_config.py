@@ -30,7 +30,8 @@ RECORD_DEFAULTS = dict(
     num_layers=11, model_dim=512, num_heads=8, num_kv_heads=4, mlp_mult=4.0, mlp_negative_slope=0.5, xsa_last_n=11,
     skip_gates_enabled=True, tie_embeddings=True, tied_embed_init_std=0.005, logit_softcap=30, rope_base=10000,
     rope_dims=16, ln_scale=True, qk_gain_init=5.0, num_loops=2, loop_start=3, loop_end=5, enable_looping_at=0.35,
-    parallel_start_layer=8, parallel_final_lane="mean", smear_enabled=True, smear_bos_fix=True, gate_window=12,
+    parallel_start_layer=8, parallel_final_lane="mean", smear_enabled=False, smear_gate_enabled=True, smear_bos_fix=True,
+    gate_window=12,
     sparse_attn_gate_enabled=True, sparse_attn_gate_init_std=0.0, sparse_attn_gate_scale=0.5, bigram_vocab_size=0,
     ve_enabled=False, doc_isolation=True,
     matrix_lr=0.026, tied_embed_lr=0.03, embed_lr=0.6, scalar_lr=0.02, muon_momentum=0.97,
@@ -308,3 +309,18 @@ def test_stored_settings_fill_what_the_environment_leaves_unset():
         tg.adopt_settings(make_cfg(), dict(stored, depth_recurrence=2), names, set(), "artifact a.ptz")
     with pytest.raises(ValueError, match="missing: \\['xsa_last_n'\\]"):
         tg.adopt_settings(make_cfg(), {k: v for k, v in stored.items() if k != "xsa_last_n"}, names, set(), "a")
+
+
+def test_gate_window_is_read_by_either_gate_and_the_two_smear_gates_exclude_each_other():
+    def unread(env: dict[str, str]) -> list[str]:
+        cfg, warnings = tg.Hyperparameters.from_env(env)
+        return warnings + cfg.unread({k.lower() for k in env})
+    assert unread({"GATE_WINDOW": "8", "SPARSE_ATTN_GATE_ENABLED": "0"}) == []  # the SmearGate still reads it
+    assert unread({"GATE_WINDOW": "8", "SMEAR_GATE_ENABLED": "0"}) == []  # the sparse gate still reads it
+    assert unread({"GATE_WINDOW": "8", "SMEAR_GATE_ENABLED": "0", "SPARSE_ATTN_GATE_ENABLED": "0"}) == [
+        "setting GATE_WINDOW is ignored: SPARSE_ATTN_GATE_ENABLED=0 and SMEAR_GATE_ENABLED=0 turn its features off"]
+    with pytest.raises(ValueError, match="SMEAR_ENABLED=1 .* and SMEAR_GATE_ENABLED=1"):
+        tg.Hyperparameters.from_env({"SMEAR_ENABLED": "1"})
+    with pytest.raises(ValueError, match="GATE_WINDOW must be <= MODEL_DIM"):
+        tg.Hyperparameters.from_env({"GATE_WINDOW": "600", "SPARSE_ATTN_GATE_ENABLED": "0"})
+    tg.Hyperparameters.from_env({"GATE_WINDOW": "600", "SPARSE_ATTN_GATE_ENABLED": "0", "SMEAR_GATE_ENABLED": "0"})

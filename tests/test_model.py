@@ -96,6 +96,14 @@ class PlainGPT(nn.Module):
             h = torch.tensor([[m] + [((36313 * r[t]) ^ (27191 * r[t - 1])) % m for t in range(1, T)]
                               for r in ids.tolist()])
             x = x + p["bigram.scale"] * (p["bigram.embed.weight"][h] @ p["bigram.proj.weight"].T)
+        if c.smear_gate_enabled:  # the record's: e_t += lam sig(w . e_t[:W]) e_(t-1), position by position
+            rows = []
+            for t in range(T):
+                g = p["smear_lambda"] * torch.sigmoid(x[:, t, :c.gate_window] @ p["smear_gate_w"][0])
+                if c.smear_bos_fix:
+                    g = torch.where(ids[:, t] == 1, 0.0, g)
+                rows.append(x[:, t] + g[:, None] * x[:, t - 1] if t else x[:, 0])
+            x = torch.stack(rows, 1)
         x = rms(x)
         if c.smear_enabled:
             g = torch.sigmoid(p["smear_gate"])
@@ -186,14 +194,19 @@ def test_banked_model_equals_plain_per_layer_model(name):
 
 
 @pytest.mark.parametrize("fix", [True, False])
-def test_smear_gate_passes_nothing_across_a_bos(fix):
-    """SMEAR_BOS_FIX: the embedding at a document's first token does not depend on the tokens before it (without
-    the bigram table, which hashes the previous token by design); without the fix it does."""
-    cfg = make_cfg(**(MODEL_CONFIGS["gates"] | dict(BIGRAM_VOCAB_SIZE=0, SMEAR_BOS_FIX=int(fix))))
+@pytest.mark.parametrize("kind", ["seed", "record"])
+def test_smear_gate_passes_nothing_across_a_bos(fix, kind):
+    """SMEAR_BOS_FIX, both SmearGates: the embedding at a document's first token does not depend on the tokens before
+    it (without the bigram table, which hashes the previous token by design); without the fix it does."""
+    which = dict(SMEAR_ENABLED=int(kind == "seed"), SMEAR_GATE_ENABLED=int(kind == "record"))
+    cfg = make_cfg(**(MODEL_CONFIGS["gates"] | dict(BIGRAM_VOCAB_SIZE=0, SMEAR_BOS_FIX=int(fix)) | which))
     torch.manual_seed(0)
     model = tg.GPT(cfg)
     with torch.no_grad():
-        model.smear_gate.normal_()
+        if kind == "seed":
+            model.smear_gate.normal_()
+        else:  # zero-initialised: the identity
+            model.smear_gate_w.normal_(), model.smear_lambda.fill_(1.0)
         ids = torch.randint(2, cfg.vocab_size, (2, 16))
         ids[:, 8] = tg.BOS_ID
         other = ids.clone()
@@ -377,12 +390,13 @@ def test_model_is_causal(name):
 
 def test_init_facts_of_the_issue_21_parameters():
     """Lanes: decay 1.1 and unit writes (the 2026-03-31 record); skip gates 0 (sig = 0.5); the sparse gate's W 0, or
-    N(0, SPARSE_ATTN_GATE_INIT_STD)."""
+    N(0, SPARSE_ATTN_GATE_INIT_STD); the record's SmearGate (w, lam) 0: the identity."""
     cfg = make_cfg(**MODEL_CONFIGS["gates"])
     m = tg.GPT(cfg)
     assert torch.equal(m.parallel_resid, torch.full((3, 2), 1.1)) and torch.equal(m.parallel_post, torch.ones(3, 2, 2))
     assert torch.equal(m.skip_gates, torch.zeros(2, 32)) and torch.equal(m.skip_weights, torch.ones(2, 32))
     assert all(torch.equal(b.attn_gate_w, torch.zeros(2, 8)) for b in m.blocks)
+    assert torch.equal(m.smear_gate_w, torch.zeros(1, 8)) and torch.equal(m.smear_lambda, torch.zeros(1))  # identity
     sparse = make_cfg(**(MODEL_CONFIGS["gates"] | dict(SPARSE_ATTN_GATE_INIT_STD=0.5)))
     torch.manual_seed(0)
     w = torch.cat([b.attn_gate_w.flatten() for b in tg.GPT(sparse).blocks])

@@ -443,6 +443,7 @@ CONFIGS = {
     "no_bigram": dict(bigram_vocab_size=0),
     "no_ve": dict(ve_enabled=False),
     "no_smear": dict(smear_enabled=False),
+    "record_smear": dict(smear_enabled=False, smear_gate_enabled=True),
     "all_off_untied": dict(tie_embeddings=False, bigram_vocab_size=0, ve_enabled=False, smear_enabled=False),
     "three_layers": dict(num_layers=3, ve_layers="1,2", xsa_last_n=2),
 }
@@ -465,6 +466,7 @@ def test_parameter_table_covers_every_parameter_once(overrides):
     assert ("bigram.embed.weight" in names) == (cfg.bigram_vocab_size > 0)
     assert ("ve.embed.weight" in names) == cfg.ve_enabled
     assert ("smear_gate" in names) == cfg.smear_enabled
+    assert ("smear_gate_w" in names) == ("smear_lambda" in names) == cfg.smear_gate_enabled
     assert {n for n, _ in groups["muon"]} == set(BANKS)
 
     # The optimizers are built from those groups with the documented settings.
