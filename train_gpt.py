@@ -421,10 +421,15 @@ def _parse_value(key: str, raw: str, typ: str):
     return value
 
 
+# Model settings added after artifacts existed: what one made before them meant (125da04: the record's SmearGate)
+ADDED_MODEL_SETTINGS = {"smear_gate_enabled": False}
+
+
 def adopt_settings(cfg: Hyperparameters, stored: dict, names: tuple[str, ...], explicit: set[str],
                    source: str) -> tuple[Hyperparameters, list[str]]:
     """cfg with the settings `names` of an artifact or checkpoint (`stored`); one the environment sets (`explicit`)
     keeps its value, with a warning, or an error for a model setting (another model). Returns (config, warnings)."""
+    stored = {n: v for n, v in ADDED_MODEL_SETTINGS.items() if n in names} | stored
     unknown, missing = set(stored) - set(SETTINGS), set(names) - set(stored)
     if unknown or missing:
         raise ValueError(f"{source} was made by another version of train_gpt.py (settings unknown here: "

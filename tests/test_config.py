@@ -324,3 +324,16 @@ def test_gate_window_is_read_by_either_gate_and_the_two_smear_gates_exclude_each
     with pytest.raises(ValueError, match="GATE_WINDOW must be <= MODEL_DIM"):
         tg.Hyperparameters.from_env({"GATE_WINDOW": "600", "SPARSE_ATTN_GATE_ENABLED": "0"})
     tg.Hyperparameters.from_env({"GATE_WINDOW": "600", "SPARSE_ATTN_GATE_ENABLED": "0", "SMEAR_GATE_ENABLED": "0"})
+
+
+def test_an_artifact_from_before_the_records_smear_gate_keeps_the_seeds():
+    """Artifacts and checkpoints made before SMEAR_GATE_ENABLED existed hold the seed's gate (SMEAR_ENABLED=1): read
+    back, they get SMEAR_GATE_ENABLED=0, not today's default (both on would be refused); other gaps stay errors."""
+    old = make_cfg()  # the sp1024 stack: the seed's gate
+    stored = {n: getattr(old, n) for n in tg.MODEL_SETTINGS if n != "smear_gate_enabled"}
+    stored["smear_enabled"] = True
+    cfg, _ = tg.adopt_settings(tg.Hyperparameters(), stored, tg.MODEL_SETTINGS, set(), "artifact a")
+    assert cfg.smear_enabled and not cfg.smear_gate_enabled
+    del stored["smear_bos_fix"]
+    with pytest.raises(ValueError, match=r"another version of train_gpt.py .*missing: \['smear_bos_fix'\]"):
+        tg.adopt_settings(tg.Hyperparameters(), stored, tg.MODEL_SETTINGS, set(), "artifact a")

@@ -177,9 +177,10 @@ class PlainGPT(nn.Module):
         return c.logit_softcap * torch.tanh(logits / c.logit_softcap) if c.logit_softcap > 0 else logits
 
 
-@pytest.mark.parametrize("name", list(MODEL_CONFIGS))
-def test_banked_model_equals_plain_per_layer_model(name):
-    model = feature_model(name)
+@pytest.mark.parametrize("name, extra", [(n, {}) for n in MODEL_CONFIGS] + [("gates", dict(SMEAR_BOS_FIX=0))],
+                         ids=list(MODEL_CONFIGS) + ["gates_no_bos_fix"])
+def test_banked_model_equals_plain_per_layer_model(name, extra):
+    model = perturbed_feature_model(name, **extra).float() if extra else feature_model(name)
     V = model.cfg.vocab_size
     g = torch.Generator().manual_seed(1)
     ids, targets = torch.randint(0, V, (2, 32), generator=g), torch.randint(0, V, (2, 32), generator=g)

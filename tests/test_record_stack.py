@@ -156,3 +156,4 @@ def test_the_defaults_run_at_a_tiny_shape(dataset, tokenizer_path, tmp_path):
     header, tensors = tg.read_artifact(tmp_path / "logs" / "d.int6.ptz")
     assert len([k for k in tensors if k.endswith(".lqA")]) == 3
     assert tensors["tok_emb.weight.q8"].abs().max() <= 63 and header["settings"]["doc_isolation"] is True
+    assert "smear_gate_w.f16" in tensors and "smear_lambda.f16" in tensors  # the record's SmearGate, exported
