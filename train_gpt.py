@@ -1300,8 +1300,9 @@ class Block(nn.Module):
 
 class DocLoRA(nn.Module):
     """TTT_MODE=lora's adapters (the 04-10..04-27 records' LoRA TTT). Row b holds one document: rank-r pairs on q, k,
-    v, o and the MLP of every layer and on the head, each adding ALPHA/r * B A x. reset(): B = 0 (the model as it
-    was), A one fixed U(+-1/sqrt(in)) draw. A call uses the first rows, so a document's result is its own."""
+    v, o and the MLP at every position of the layer order (a looped layer's repeats have their own, as in the 04-27
+    record) and on the head, each adding ALPHA/r * B A x. reset(): B = 0 (the model as it was), A one fixed
+    U(+-1/sqrt(in)) draw. A call uses the first rows, so a document's result is its own."""
 
     def __init__(self, cfg: Hyperparameters, rows: int, device: torch.device):
         super().__init__()
@@ -1309,7 +1310,7 @@ class DocLoRA(nn.Module):
         outs = {"attn.q": D, "attn.k": KV, "attn.v": KV, "attn.o": D, "mlp": D}
         on = {"attn.q": cfg.ttt_q_lora, "attn.k": cfg.ttt_k_lora, "attn.v": cfg.ttt_v_lora, "attn.o": cfg.ttt_o_lora,
               "mlp": cfg.ttt_mlp_lora, "head": True}
-        every = [(n, i) for i in range(cfg.num_layers) for n in outs] + [("head", 0)]
+        every = [(n, s) for s in range(len(layer_order(cfg, True))) for n in outs] + [("head", 0)]
         g = torch.Generator().manual_seed(0)  # a draw per possible adapter: a subset keeps the others' A
         A0 = {key: (torch.rand(r, D, generator=g) * 2 - 1) * D ** -0.5 for key in every}
         keys = [key for key in every if on[key[0]]]
@@ -1327,10 +1328,10 @@ class DocLoRA(nn.Module):
                 a.copy_(a0.expand_as(a))
             b.zero_()
 
-    def deltas(self, names: tuple[str, ...], i: int, x_BTI: Tensor) -> list[Tensor | int]:
-        """The adapters `names` of layer i (0 where switched off), which all read x, with one bmm down (q, k, v, o at
-        once: the proxy's lora loop 34.4 -> 30.9 s on one H100)."""
-        js, B = [self.index.get((name, i)) for name in names], x_BTI.size(0)
+    def deltas(self, names: tuple[str, ...], s: int, x_BTI: Tensor) -> list[Tensor | int]:
+        """The adapters `names` at position s of the layer order (0 where switched off), which all read x, with one
+        bmm down (q, k, v, o at once: the proxy's lora loop 34.4 -> 30.9 s on one H100)."""
+        js, B = [self.index.get((name, s)) for name in names], x_BTI.size(0)
         on = [j for j in js if j is not None]
         if not on:
             return [0] * len(names)
@@ -1449,7 +1450,7 @@ class GPT(nn.Module):
         docs = document_segments if self.attn_backend == "varlen" else document_mask
         doc_mask = docs(ids_BT) if cfg.doc_isolation and not one_doc else None  # built once for all layers
 
-        def attn(i: int, x: Tensor) -> Tensor:  # layer i's attention of its input x (pre-norm), scaled
+        def attn(i: int, s: int, x: Tensor) -> Tensor:  # layer i's attention at position s of x (pre-norm), scaled
             blk, ln = self.blocks[i], lns[i]
             w = {n: layer_matrix(banks, n, i, L) for n in ("attn.q", "attn.k", "attn.v", "attn.o")}
             h = self.observe(("attn.q", "attn.k", "attn.v"), i, rms_norm(x) * ln)
@@ -1457,7 +1458,7 @@ class GPT(nn.Module):
             qkv = F.linear(h, torch.cat((w["attn.q"], w["attn.k"], w["attn.v"])))
             q, k, v = qkv.split((H * hd, K * hd, K * hd), dim=-1)
             if lora is not None:
-                dq, dk, dv, do = lora.deltas(("attn.q", "attn.k", "attn.v", "attn.o"), i, h)
+                dq, dk, dv, do = lora.deltas(("attn.q", "attn.k", "attn.v", "attn.o"), s, h)
                 q, k, v = q + dq, k + dk, v + dv
             if i in cfg.ve_layer_list:
                 v = v + ve_BTK * self.ve_layer_scales[cfg.ve_layer_list.index(i)].to(v.dtype)
@@ -1473,12 +1474,12 @@ class GPT(nn.Module):
             y = F.linear(self.observe(("attn.o",), i, y.reshape(B, T, H * hd)), w["attn.o"])
             return blk.attn_scale.to(x.dtype) * (y if lora is None else y + do)
 
-        def mlp(i: int, x: Tensor) -> Tensor:
+        def mlp(i: int, s: int, x: Tensor) -> Tensor:
             h = self.observe(("mlp.up",), i, rms_norm(x) * lns[i])
             u = F.linear(h, layer_matrix(banks, "mlp.up", i, L))
             u = F.leaky_relu(u, cfg.mlp_negative_slope) if cfg.mlp_negative_slope > 0 else F.relu(u)
             u = F.linear(self.observe(("mlp.down",), i, u.square()), layer_matrix(banks, "mlp.down", i, L))
-            return self.blocks[i].mlp_scale.to(x.dtype) * (u if lora is None else u + lora.deltas(("mlp",), i, h)[0])
+            return self.blocks[i].mlp_scale.to(x.dtype) * (u if lora is None else u + lora.deltas(("mlp",), s, h)[0])
 
         order, parallel, P = layer_order(cfg, self.looping), parallel_positions(cfg, self.looping), cfg.parallel_start
         n_enc, lanes = len(order) // 2, None  # lanes: (attention's, MLP's) from the first parallel layer on
@@ -1495,10 +1496,10 @@ class GPT(nn.Module):
             mix = self.blocks[i].resid_mix.to(x.dtype)
             if lanes is None:  # serial: attention, then the MLP reads its result
                 x = mix[0] * x + mix[1] * x0
-                x = x + attn(i, x)
-                x = x + mlp(i, x)
+                x = x + attn(i, pos, x)
+                x = x + mlp(i, pos, x)
             else:  # parallel (2026-03-31 record): both read their own lane, both write both lanes
-                a, m = attn(i, mix[0] * lanes[0] + mix[1] * x0), mlp(i, lanes[1])
+                a, m = attn(i, pos, mix[0] * lanes[0] + mix[1] * x0), mlp(i, pos, lanes[1])
                 r, post = self.parallel_resid[i - P].to(x.dtype), self.parallel_post[i - P].to(x.dtype)
                 lanes = (r[0] * lanes[0] + post[0, 0] * a + post[1, 0] * m,
                          r[1] * lanes[1] + post[0, 1] * a + post[1, 1] * m)

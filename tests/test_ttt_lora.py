@@ -320,3 +320,25 @@ def test_sliding_eval_off_needs_ttt():
     with pytest.raises(ValueError, match="SLIDING_EVAL_ENABLED=0 needs TTT_ENABLED=1"):
         tg.Hyperparameters.from_env({"SLIDING_EVAL_ENABLED": "0", "TTT_ENABLED": "0"})
     assert not tg.Hyperparameters.from_env({"SLIDING_EVAL_ENABLED": "0", "TTT_ENABLED": "1"})[0].sliding_eval_enabled
+
+
+def test_a_looped_layer_has_adapters_of_its_own_at_each_repeat():
+    """With recurrence the adapters follow the positions of the layer order, one set per position as in the 04-27
+    record (its slots): here layer 1 runs at positions 1 and 2, and the same B A put at either one changes the logits,
+    differently (shared adapters would give the same logits both ways)."""
+    cfg = lora_cfg(num_loops=1, loop_start=1, loop_end=1)
+    assert tg.layer_order(cfg, True) == [0, 1, 1]
+    model, x = model_for(cfg), make_stream(64).view(2, 32)
+    lora = tg.DocLoRA(cfg, 2, torch.device("cpu"))
+    assert set(lora.index) == {(n, s) for s in range(3) for n in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp")} | {
+        ("head", 0)}
+    g = torch.Generator().manual_seed(5)
+    A, B = torch.rand(lora.A[0].shape, generator=g), torch.randn(lora.B[lora.index["attn.q", 1]].shape, generator=g)
+    with torch.no_grad():
+        base, got = model.logits(x), []
+        for s in (1, 2):
+            lora.reset()
+            lora.A[lora.index["attn.q", s]].copy_(A), lora.B[lora.index["attn.q", s]].copy_(B)
+            got.append(model.logits(x, lora))
+    assert (got[0] - base).abs().max() > 1e-3 and (got[1] - base).abs().max() > 1e-3
+    assert (got[0] - got[1]).abs().max() > 1e-3
