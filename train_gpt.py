@@ -353,8 +353,7 @@ class Hyperparameters:
             lanes = parallel_positions(self, looping)
             need(lanes == sorted(lanes), f"PARALLEL_START_LAYER={self.parallel_start_layer} puts a serial layer "
                  f"after a parallel one in the decoder {layer_order(self, looping)[len(lanes) // 2:]}")
-        need(self.gate_window <= self.model_dim or not (self.sparse_attn_gate_enabled or self.smear_gate_enabled),
-             "GATE_WINDOW must be <= MODEL_DIM")
+        need(self.gate_window <= self.model_dim or self.ignored("gate_window"), "GATE_WINDOW must be <= MODEL_DIM")
         need(not (self.smear_enabled and self.smear_gate_enabled), "SMEAR_ENABLED=1 (the seed's SmearGate) and "
              "SMEAR_GATE_ENABLED=1 (the 04-27 record's) are two kinds of one gate: set one to 0")
         need(not (self.doc_isolation and (self.smear_enabled or self.smear_gate_enabled) and not self.smear_bos_fix),
