@@ -404,7 +404,6 @@ class Hyperparameters:
 
 
 SETTINGS = {f.name: f for f in fields(Hyperparameters)}
-# The settings that define the model's function: stored in every artifact (EVAL_ONLY builds the model from them).
 MODEL_SETTINGS = tuple(n for n, f in SETTINGS.items() if f.metadata["model"])
 
 
@@ -450,8 +449,7 @@ BANKS = {"qo_bank": ("attn.q", "attn.o"), "kv_bank": ("attn.k", "attn.v"),
          "mlp_up_bank": ("mlp.up",), "mlp_down_bank": ("mlp.down",)}
 MATRICES = {name: (bank, slot) for bank, names in BANKS.items() for slot, name in enumerate(names)}
 ZERO_INIT = ("attn.o", "mlp.down")  # the reference's init: these start at zero, the others orthogonal
-# AdamW's token group: bf16 parameters on CUDA (as in the reference), int8 when exported.
-EMBED_TABLES = ("tok_emb.weight", "bigram.embed.weight", "ve.embed.weight")
+EMBED_TABLES = ("tok_emb.weight", "bigram.embed.weight", "ve.embed.weight")  # AdamW's token group
 
 
 def layer_matrix(banks: dict[str, Tensor], name: str, i: int, num_layers: int) -> Tensor:
@@ -829,8 +827,7 @@ class ParallelMuon(torch.optim.Optimizer):
         p.mul_(1.0 - lr * wd).add_(full[: p.shape[0]], alpha=-lr * scale)
 
 
-# One table: every parameter's optimizer and lr/wd setting, matched by name pattern (exactly one).
-PARAM_TABLE = (  # (group, name predicate)
+PARAM_TABLE = (  # (group, name predicate): every parameter's optimizer and lr/wd, matched exactly once
     ("muon", lambda n: n in BANKS),
     ("token", lambda n: n in EMBED_TABLES),
     ("head", lambda n: n == "lm_head.weight"),
@@ -1207,15 +1204,13 @@ def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str, mask
         (B, T, H, D), K = q_BTHD.shape, k_BTKD.size(2)
         k, v = (t.repeat_interleave(H // K, 2).reshape(B * T, H, D) for t in (k_BTKD, v_BTKD))
         return varlen_attn(q_BTHD.reshape(B * T, H, D), k, v, mask, mask, T, T, window_size=(-1, 0)).view(B, T, H, D)
-    if mask is not None:
-        q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTKD, v_BTKD))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
-    if backend == "fa3":
+    if mask is None and backend == "fa3":
         from flash_attn_interface import flash_attn_func  # FlashAttention-3 (Hopper), optional
         y = flash_attn_func(q_BTHD, k_BTKD, v_BTKD, causal=True)
         return y[0] if isinstance(y, tuple) else y
     q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTKD, v_BTKD))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    return y.transpose(1, 2)
 
 
 def exclusive_self_attention_reference(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
@@ -1354,8 +1349,8 @@ class GPT(nn.Module):
             setattr(self, bank, nn.Parameter(torch.empty(len(names) * L, *shapes[bank])))
         self.blocks = nn.ModuleList(Block(D, cfg.num_heads, cfg.qk_gain_init, cfg.attn_gate_window) for _ in range(L))
         rope = rope_tables(max(cfg.train_seq_len, cfg.eval_seq_len), cfg.rope_dims, cfg.rope_base)
-        self.register_buffer("rope_cos", rope[0], persistent=False)  # not in state_dict or the artifact
-        self.register_buffer("rope_sin", rope[1], persistent=False)
+        for name, t in zip(("rope_cos", "rope_sin"), rope):  # not in state_dict or the artifact
+            self.register_buffer(name, t, persistent=False)
         # U-Net: the first half of the positions pushes skips, the second pops them (weights for the longest order)
         n = len(layer_order(cfg, True))
         self.skip_weights = nn.Parameter(torch.ones(min(n // 2, n - n // 2), D))
@@ -1414,7 +1409,6 @@ class GPT(nn.Module):
         if self.cfg.bigram_vocab_size > 0:
             b = self.bigram.proj(self.bigram.embed(bigram_hash(ids_BT, self.cfg.bigram_vocab_size, self.cfg.doc_isolation)))
             x = x + b * self.bigram.scale.to(b.dtype)
-        # a document's first token takes nothing from the previous document (SMEAR_BOS_FIX)
         not_bos = (ids_BT != BOS_ID).unsqueeze(-1).to(x.dtype) if self.cfg.smear_bos_fix else 1.0
         if self.cfg.smear_gate_enabled:
             g = self.smear_lambda.to(x.dtype) * torch.sigmoid(
@@ -1487,10 +1481,8 @@ class GPT(nn.Module):
                 lanes = (x, x)
             if pos >= n_enc and skips:  # into x, or the attention's lane
                 skip, into = self.skip_weights[pos - n_enc].to(x.dtype) * skips.pop(), x if lanes is None else lanes[0]
-                if cfg.skip_gates_enabled:  # sig(g) into + (1 - sig(g)) skip
-                    into = torch.lerp(skip, into, torch.sigmoid(self.skip_gates[pos - n_enc].to(x.dtype)))
-                else:
-                    into = into + skip
+                gate = torch.sigmoid(self.skip_gates[pos - n_enc].to(x.dtype)) if cfg.skip_gates_enabled else None
+                into = into + skip if gate is None else torch.lerp(skip, into, gate)  # sig(g) into + (1 - sig(g)) skip
                 x, lanes = (into, None) if lanes is None else (x, (into, lanes[1]))
             mix = self.blocks[i].resid_mix.to(x.dtype)
             if lanes is None:  # serial: attention, then the MLP reads its result
@@ -1531,8 +1523,7 @@ class GPT(nn.Module):
 
 
 # ===== Kernels: the Ops above as Triton kernels (optional; KERNELS=triton, the default on CUDA) =====
-# Each op is a torch.library.triton_op with its backward registered: inductor launches the kernels from its own
-# code. On the CPU they run in Triton's interpreter (TRITON_INTERPRET=1): the tests compare them with the torch ops.
+# Each op is a torch.library.triton_op with its backward registered: inductor launches the kernels from its own code.
 
 # q/k RMSNorm + RoPE + gain: inductor's fusion took 39 ms of a 566 ms record step (H200), these 19.7 ms and 1.1 GB
 # less peak memory. Rows are (token, head) pairs; the backward recomputes the norm and writes dx and one
@@ -1760,11 +1751,8 @@ def exclusive_self_attention_backward(dout_BTHD: Tensor, y_BTHD: Tensor, v_BTKD:
     return dy, dv
 
 
-def _xsa_backward(ctx, dout):
-    return exclusive_self_attention_backward(dout, *ctx.saved_tensors)
-
-
-exclusive_self_attention_triton.register_autograd(_xsa_backward, setup_context=_save_inputs)
+exclusive_self_attention_triton.register_autograd(
+    lambda ctx, dout: exclusive_self_attention_backward(dout, *ctx.saved_tensors), setup_context=_save_inputs)
 
 
 # Soft-capped cross entropy: inductor's fusion ran at 1.3-1.8 TB/s (libdevice tanh and exp are long); here tanh is
@@ -1848,12 +1836,9 @@ def _ce_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])  # the log-sum-exp is the backward's, not a result
 
 
-def _ce_backward(ctx, dloss, _dlse):
-    logits, targets, lse = ctx.saved_tensors
-    return _softcap_ce_backward(dloss, logits, targets, lse, ctx.cap), None, None
-
-
-_softcap_ce.register_autograd(_ce_backward, setup_context=_ce_setup)
+_softcap_ce.register_autograd(  # saved: logits, targets, log-sum-exp
+    lambda ctx, dloss, _dlse: (_softcap_ce_backward(dloss, *ctx.saved_tensors, ctx.cap), None, None),
+    setup_context=_ce_setup)
 
 
 def softcap_cross_entropy(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Tensor:
@@ -1863,9 +1848,8 @@ def softcap_cross_entropy(logits_NV: Tensor, targets_N: Tensor, cap: float) -> T
 
 def softcap_loss_triton(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Tensor:
     """The training loss through the kernel, or, for rows wider than CE_MAX_VOCAB, the torch ops (logged)."""
-    if logits_NV.size(-1) > CE_MAX_VOCAB:
-        return softcap_loss_reference(logits_NV, targets_N, cap)
-    return softcap_cross_entropy(logits_NV, targets_N, cap).mean()
+    return softcap_loss_reference(logits_NV, targets_N, cap) if logits_NV.size(-1) > CE_MAX_VOCAB \
+        else softcap_cross_entropy(logits_NV, targets_N, cap).mean()
 
 
 TRITON_OPS = Ops(qk_norm_rope_triton, exclusive_self_attention_triton, softcap_loss_triton) if triton is not None else None
@@ -1939,6 +1923,7 @@ class Scorer:
                  val_bytes: Tensor | None = None):
         self.cfg, self.rt, self.luts, self.tokens = cfg, rt, luts, tokens.to(rt.device)
         self.val_bytes = None if val_bytes is None else val_bytes.to(rt.device)  # the byte sidecar's, else luts'
+        self.byte_rule = "tokenizer" if val_bytes is None else "sidecar"
         self.log = log if log is not None else Logger("", enabled=False)
         self.batch_seqs = max(1, cfg.val_batch_size // (rt.world_size * rt.grad_accum_steps * cfg.eval_seq_len))
 
@@ -1952,10 +1937,6 @@ class Scorer:
         """Each document's first target (its BOS) with DOC_ISOLATION or per_doc, else [0]: one stream."""
         n, per_doc = self.tokens.numel() - 1, per_doc or self.cfg.doc_isolation
         return sorted({0} | set((self.tokens[:n] == BOS_ID).nonzero().flatten().tolist())) if per_doc else [0]
-
-    @property
-    def byte_rule(self) -> str:
-        return "tokenizer" if self.val_bytes is None else "sidecar"
 
     def logits_fn(self, model: GPT) -> Callable:
         """model.logits of rows of windows (one document each under DOC_ISOLATION), compiled when enabled."""
@@ -1996,7 +1977,6 @@ class Scorer:
         return sums
 
     def sums(self, nll_BT: Tensor, mask_BT: Tensor, bytes_BT: Tensor) -> Tensor:
-        """(nll, tokens, bytes) float64 sums over the masked targets."""
         m = mask_BT.double()
         return torch.stack(((nll_BT.double() * m).sum(), m.sum(), (bytes_BT.double() * m).sum()))
 
@@ -2080,10 +2060,8 @@ def sgd_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> Sc
     scored by the sliding windows whose first target it holds, then trained on with SGD + momentum (cosine lr over
     chunks, global-norm clip), the last one never. A score depends on the artifact and earlier tokens only.
     TTT_FREEZE_BLOCKS freezes the first blocks (bank slices, control tensors, lane scalars)."""
-    T, C = cfg.train_seq_len, cfg.ttt_chunk_tokens
-    n_targets = scorer.tokens.numel() - 1
-    n_chunks = -(-n_targets // C)
-    wins = scorer.windows(cfg.eval_stride)
+    T, C, n_targets = cfg.train_seq_len, cfg.ttt_chunk_tokens, scorer.tokens.numel() - 1
+    n_chunks, wins = -(-n_targets // C), scorer.windows(cfg.eval_stride)
     win_chunk = wins[:, 1] // C
     frozen = list(range(cfg.ttt_freeze_blocks))
     params = [p for n, p in model.named_parameters() if not (n.startswith("blocks.") and int(n.split(".")[1]) in frozen)]
@@ -2121,10 +2099,8 @@ def global_sgd_rows(cfg: Hyperparameters, rt: Runtime) -> tuple[int, int]:
 
 def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn: Callable,
                spans: list[tuple[int, int]]) -> None:
-    """Phased TTT's SGD of all base weights on the val targets [s, e) of each span (scored documents): rows of
-    EVAL_SEQ_LEN from each document's start, GLOBAL_TTT_CHUNK_TOKENS // EVAL_SEQ_LEN a step, cosine lr, the last
-    step skipped. The records pack the documents into full rows: here a document's last row is part empty (more,
-    emptier steps). requires_grad flags are restored as found."""
+    """Phased TTT's SGD of all base weights on the val targets [s, e) of each span (scored documents), in rows of
+    EVAL_SEQ_LEN from each document's start (the records pack documents into full rows: more, emptier steps here)."""
     T, (per, mine) = cfg.eval_seq_len, global_sgd_rows(cfg, rt)
     row_spans = torch.tensor([(a, min(e - a, T)) for s, e in spans for a in range(s, e, T)], dtype=torch.int64,
                              device=rt.device).view(-1, 2)
@@ -2142,15 +2118,12 @@ def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn
 
 def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
              probe: dict[str, Tensor] | None = None) -> Score:
-    """TTT_MODE=lora, score-first per document: the per-document sliding windows are cut into chunks of
-    TTT_CHUNK_SIZE targets (TTT_SHORT_SCORE_FIRST_STEPS: by the document's own length; the records' by its batch's
-    longest) that keep their window's context. Documents, longest first, run in lockstep batches of TTT_BATCH_SIZE
-    (the records' scheduler): step c scores chunk c of every document still going, then takes TTT_GRAD_STEPS AdamW
-    steps on each row's mean chunk NLL (not on a last chunk). Adapters and AdamW restart with each batch, so a
-    document scores what it would alone (not with TTT_WARM_START_A). PHASED_TTT_PREFIX_DOCS: the first documents of
-    that order are scored in phases, each followed by global_sgd on every document scored so far; the rest are
-    scored with the weights of the last. The order depends on the documents' lengths (where BOS tokens fall), as in
-    the records. probe (tests) receives each target's NLL and logsumexp."""
+    """TTT_MODE=lora, score-first per document: the per-document sliding windows are cut into chunks (ttt_chunk_for)
+    that keep their window's context. Documents, longest first (where BOS tokens fall decides, as in the records), run
+    in lockstep batches of TTT_BATCH_SIZE (the records' scheduler): step c scores chunk c of every document still
+    going, then takes TTT_GRAD_STEPS AdamW steps on each row's mean chunk NLL (not on a last chunk). Adapters and
+    AdamW restart with each batch, so a document scores what it would alone; PHASED_TTT_PREFIX_DOCS: global_sgd after
+    each phase. probe (tests) receives each target's NLL and logsumexp."""
     T, R = cfg.eval_seq_len, cfg.ttt_batch_size
     starts = scorer.doc_starts(per_doc=True)  # an adapter learns one document: its windows are the document's own
     ends = starts[1:] + [scorer.tokens.numel() - 1]
@@ -2260,12 +2233,8 @@ def unbank(state: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
 
 def rebank(tensors: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
     out = dict(tensors)
-    rows: dict[str, dict[int, Tensor]] = {bank: {} for bank in BANKS}
-    for name, (bank, slot) in MATRICES.items():
-        for i in range(num_layers):
-            rows[bank][slot * num_layers + i] = out.pop(f"blocks.{i}.{name}")
-    for bank, r in rows.items():
-        out[bank] = torch.stack([r[j] for j in range(len(r))])
+    for bank, names in BANKS.items():  # row slot * num_layers + i: layer_matrix's
+        out[bank] = torch.stack([out.pop(f"blocks.{i}.{n}") for n in names for i in range(num_layers)])
     return out
 
 
@@ -2505,7 +2474,6 @@ _DTYPES = {"int8": torch.int8, "float16": torch.float16, "float32": torch.float3
 
 
 def _nbytes(dtype: str, shape: list[int]) -> int:
-    """Bytes of a payload tensor from its header entry."""
     return math.prod(shape) * torch.empty((), dtype=_DTYPES[dtype]).element_size()
 
 
@@ -2711,10 +2679,8 @@ def decompress(blob: bytes) -> bytes:
         if not dec.eof or dec.unused_data:  # one-shot APIs silently accept truncation / trailing junk
             raise ValueError("artifact is corrupt or truncated: stream incomplete or followed by extra bytes")
         return out
-    except (lzma.LZMAError, EOFError, struct.error, IndexError) as e:
-        raise ValueError(f"artifact is corrupt or truncated: {e}") from None
     except Exception as e:
-        if type(e).__name__ == "ZstdError":
+        if isinstance(e, (lzma.LZMAError, EOFError, struct.error, IndexError)) or type(e).__name__ == "ZstdError":
             raise ValueError(f"artifact is corrupt or truncated: {e}") from None
         raise
 
@@ -2824,9 +2790,8 @@ def run_progress(cfg: Hyperparameters, steps: int, elapsed_ms: float) -> float:
 
 
 def lr_scale_at(cfg: Hyperparameters, step: int, elapsed_ms: float) -> float:
-    """Linear warmdown, floored at MIN_LR: over the last WARMDOWN_FRAC of the run's progress (by steps or, capped,
-    by the clock, whichever is further), or over the last WARMDOWN_ITERS steps, or capped of wallclock (as many
-    average steps), whichever ends first."""
+    """Linear warmdown, floored at MIN_LR: over the last WARMDOWN_FRAC of run_progress, or over the last
+    WARMDOWN_ITERS steps or, capped, as many average steps of wallclock, whichever ends first."""
     if cfg.warmdown_iters > 0:
         scale = min(1.0, max(0.0, (cfg.iterations - step) / cfg.warmdown_iters))
         if cfg.max_wallclock_seconds > 0:
