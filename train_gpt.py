@@ -1349,8 +1349,8 @@ class GPT(nn.Module):
             setattr(self, bank, nn.Parameter(torch.empty(len(names) * L, *shapes[bank])))
         self.blocks = nn.ModuleList(Block(D, cfg.num_heads, cfg.qk_gain_init, cfg.attn_gate_window) for _ in range(L))
         rope = rope_tables(max(cfg.train_seq_len, cfg.eval_seq_len), cfg.rope_dims, cfg.rope_base)
-        for name, t in zip(("rope_cos", "rope_sin"), rope):  # not in state_dict or the artifact
-            self.register_buffer(name, t, persistent=False)
+        self.register_buffer("rope_cos", rope[0], persistent=False)  # not in state_dict or the artifact
+        self.register_buffer("rope_sin", rope[1], persistent=False)
         # U-Net: the first half of the positions pushes skips, the second pops them (weights for the longest order)
         n = len(layer_order(cfg, True))
         self.skip_weights = nn.Parameter(torch.ones(min(n // 2, n - n // 2), D))
@@ -1481,8 +1481,10 @@ class GPT(nn.Module):
                 lanes = (x, x)
             if pos >= n_enc and skips:  # into x, or the attention's lane
                 skip, into = self.skip_weights[pos - n_enc].to(x.dtype) * skips.pop(), x if lanes is None else lanes[0]
-                gate = torch.sigmoid(self.skip_gates[pos - n_enc].to(x.dtype)) if cfg.skip_gates_enabled else None
-                into = into + skip if gate is None else torch.lerp(skip, into, gate)  # sig(g) into + (1 - sig(g)) skip
+                if cfg.skip_gates_enabled:  # sig(g) into + (1 - sig(g)) skip
+                    into = torch.lerp(skip, into, torch.sigmoid(self.skip_gates[pos - n_enc].to(x.dtype)))
+                else:
+                    into = into + skip
                 x, lanes = (into, None) if lanes is None else (x, (into, lanes[1]))
             mix = self.blocks[i].resid_mix.to(x.dtype)
             if lanes is None:  # serial: attention, then the MLP reads its result
@@ -1848,8 +1850,9 @@ def softcap_cross_entropy(logits_NV: Tensor, targets_N: Tensor, cap: float) -> T
 
 def softcap_loss_triton(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Tensor:
     """The training loss through the kernel, or, for rows wider than CE_MAX_VOCAB, the torch ops (logged)."""
-    return softcap_loss_reference(logits_NV, targets_N, cap) if logits_NV.size(-1) > CE_MAX_VOCAB \
-        else softcap_cross_entropy(logits_NV, targets_N, cap).mean()
+    if logits_NV.size(-1) > CE_MAX_VOCAB:
+        return softcap_loss_reference(logits_NV, targets_N, cap)
+    return softcap_cross_entropy(logits_NV, targets_N, cap).mean()
 
 
 TRITON_OPS = Ops(qk_norm_rope_triton, exclusive_self_attention_triton, softcap_loss_triton) if triton is not None else None
@@ -2122,8 +2125,8 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
     that keep their window's context. Documents, longest first (where BOS tokens fall decides, as in the records), run
     in lockstep batches of TTT_BATCH_SIZE (the records' scheduler): step c scores chunk c of every document still
     going, then takes TTT_GRAD_STEPS AdamW steps on each row's mean chunk NLL (not on a last chunk). Adapters and
-    AdamW restart with each batch, so a document scores what it would alone; PHASED_TTT_PREFIX_DOCS: global_sgd after
-    each phase. probe (tests) receives each target's NLL and logsumexp."""
+    AdamW restart with each batch, so a document scores what it would alone (not with TTT_WARM_START_A);
+    PHASED_TTT_PREFIX_DOCS: global_sgd after each phase. probe (tests) receives each target's NLL and logsumexp."""
     T, R = cfg.eval_seq_len, cfg.ttt_batch_size
     starts = scorer.doc_starts(per_doc=True)  # an adapter learns one document: its windows are the document's own
     ends = starts[1:] + [scorer.tokens.numel() - 1]
@@ -2679,8 +2682,10 @@ def decompress(blob: bytes) -> bytes:
         if not dec.eof or dec.unused_data:  # one-shot APIs silently accept truncation / trailing junk
             raise ValueError("artifact is corrupt or truncated: stream incomplete or followed by extra bytes")
         return out
+    except (lzma.LZMAError, EOFError, struct.error, IndexError) as e:
+        raise ValueError(f"artifact is corrupt or truncated: {e}") from None
     except Exception as e:
-        if isinstance(e, (lzma.LZMAError, EOFError, struct.error, IndexError)) or type(e).__name__ == "ZstdError":
+        if type(e).__name__ == "ZstdError":
             raise ValueError(f"artifact is corrupt or truncated: {e}") from None
         raise
 
