@@ -2107,7 +2107,7 @@ def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn
     T, (per, mine) = cfg.eval_seq_len, global_sgd_rows(cfg, rt)
     row_spans = torch.tensor([(a, min(e - a, T)) for s, e in spans for a in range(s, e, T)], dtype=torch.int64,
                              device=rt.device).view(-1, 2)
-    steps = row_spans.split(per)[:-1]
+    steps = row_spans.split(per)[:-1]  # the last step skipped, as in the records
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=cfg.global_ttt_lr, momentum=cfg.global_ttt_momentum)
     with grad_flags(model, True):
