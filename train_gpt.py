@@ -212,8 +212,9 @@ class Hyperparameters:
                              on="lqer_enabled")
     gptq_calibration_batches: int = S(16, "GPTQ's X^T X from this many train micro-batches per rank (0 = off)",
                                       NON_NEGATIVE)
-    # 16 batches took 5.1-5.4 s at 65,536-token micro-batches (one H200): about 8 s at the record's 98,304
-    gptq_reserve_seconds: float = S(9.0, "training stops this much before the wallclock cap, for the calibration",
+    # 16 batches took 1.9 s at 65,536-token micro-batches (one H200; the record's 2.3 s there, 3.5-3.6 s in its
+    # 8xH100 logs at 98,304): about 3 s, and 1.5 s of margin (FRONTIER_AFTER_0427.md section 8's safe setting)
+    gptq_reserve_seconds: float = S(4.5, "training stops this much before the wallclock cap, for the calibration",
                                     NON_NEGATIVE, on="gptq_calibration_batches")
     auto_size: float = S(0.0, "MLP width (or bigram table, MLP_MULT set) filling this fraction of the limit (0 = off)",
                          FRACTION)
@@ -2431,10 +2432,10 @@ def fit_to_limit(cfg: Hyperparameters, explicit: set[str], code_bytes: int) -> H
 def calibrate(model: GPT, loader: TrainLoader, batches: int) -> dict[tuple[str, int], Tensor]:
     """GPTQ's H = X^T X of every bank matrix and the output head over `batches` train micro-batches per rank (train
     data only), summed over ranks."""
-    was_training, tf32, model.hessians = model.training, torch.backends.cuda.matmul.allow_tf32, {}
-    # X^T X in full fp32 (TF32's 10-bit products would blur H's small eigenvalues)
+    # X^T X under the run's TF32, as the records: 1.9 s for 16 batches of 65,536 tokens against 4.5-4.7 s with TF32 off
+    # (one H200, one checkpoint), for a roundtrip 3e-6 bpb worse and 264 bytes larger
+    was_training, model.hessians = model.training, {}
     model.eval()
-    torch.backends.cuda.matmul.allow_tf32 = False
     seen = 0
     while seen < batches:
         for x, _ in loader.next_batch()[: batches - seen]:
@@ -2443,7 +2444,6 @@ def calibrate(model: GPT, loader: TrainLoader, batches: int) -> dict[tuple[str, 
             seen += 1
     hessians, model.hessians = model.hessians, None
     model.train(was_training)
-    torch.backends.cuda.matmul.allow_tf32 = tf32
     for h in hessians.values():
         all_reduce_sum_(h)
     return hessians
