@@ -3169,6 +3169,19 @@ def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: 
     if rt.device.type == "cuda":
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    # the Hessians (train data: the training side of the 600 s) straight after the loop, before any diagnostic score
+    live = [p.detach().clone() for p in model.parameters()] if ema is not None else None
+    if ema is not None:
+        ema.copy_to_model()
+    hessians = None
+    if cfg.gptq_calibration_batches > 0:
+        t0 = now_ms(rt.device)
+        hessians = calibrate(model, trainer.loader, cfg.gptq_calibration_batches)
+        log(f"gptq_calibration batches:{cfg.gptq_calibration_batches} time:{now_ms(rt.device) - t0:.0f}ms "
+            f"reserved:{1000 * cfg.max_wallclock_seconds - train_cap_ms(cfg):.0f}ms")
+    if live is not None:
+        with torch.no_grad():
+            torch._foreach_copy_(list(model.parameters()), live)
     s = scorer(model, cfg.eval_seq_len)
     log(f"step:{steps}/{cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} "
         f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms "
@@ -3176,12 +3189,6 @@ def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: 
     if ema is not None:
         ema.copy_to_model()
         log_score(log, "post_ema", scorer(model, cfg.eval_seq_len))
-    hessians = None
-    if cfg.gptq_calibration_batches > 0:
-        t0 = now_ms(rt.device)
-        hessians = calibrate(model, trainer.loader, cfg.gptq_calibration_batches)
-        log(f"gptq_calibration batches:{cfg.gptq_calibration_batches} time:{now_ms(rt.device) - t0:.0f}ms "
-            f"reserved:{1000 * cfg.max_wallclock_seconds - train_cap_ms(cfg):.0f}ms")
     return model, hessians, train_ms, 0
 
 

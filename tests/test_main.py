@@ -310,8 +310,11 @@ def test_a_finished_runs_checkpoint_exports_again_without_training(dataset, toke
     assert not LOSS_LINE.search(again) and "\nwarmup_step:" not in again
     assert "warning GPTQ_CALIBRATION_BATCHES=2 but checkpoint logs/q.ckpt was made with GPTQ_CALIBRATION_BATCHES=0; " \
            "the environment's value is used" in again
-    assert re.search(r"^gptq_calibration batches:2 time:\d+ms reserved:0ms$", again, re.M)
+    calib = re.search(r"^gptq_calibration batches:2 time:\d+ms reserved:0ms$", again, re.M)
+    live = re.search(r"^step:6/6 val_loss:\S+ val_bpb:\S+ ", again, re.M)
+    assert calib and live and calib.start() < live.start() < again.index("\npost_ema ")  # Hessians before any score
     assert re.search(r"^Total submission size int6\+rans: \d+ bytes", again, re.M)
+    assert live.group(0) == re.search(r"^step:6/6 val_loss:\S+ val_bpb:\S+ ", first, re.M).group(0)
     assert one_line(again, "post_ema_exact ") == one_line(first, "post_ema_exact ")
     assert one_line(again, "final_int6_roundtrip_exact ") != one_line(first, "final_int6_roundtrip_exact ")
     r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY="logs/q_2.int6.ptz", RUN_ID="q_eval"), tmp_path)
