@@ -42,7 +42,7 @@ RECORD_DEFAULTS = dict(
     embed_bits=7, matrix_clip_sigmas=12.85, mlp_clip_sigmas=11.5, attn_clip_sigmas=13.0, embed_clip_sigmas=14.0,
     gptq_calibration_batches=16, lqer_enabled=True, lqer_rank=4, lqer_top_k=3, lqer_asym_group=64,
     ttt_enabled=True, ttt_mode="lora", ttt_lora_rank=80, ttt_lora_alpha=144.0, ttt_batch_size=64, ttt_grad_steps=1,
-    ttt_weight_decay=0.5,
+    ttt_weight_decay=0.5, phased_ttt_prefix_docs=2500, phased_ttt_num_phases=3,
 )
 
 
