@@ -255,10 +255,10 @@ class Hyperparameters:
     ttt_v_lora: bool = S(True, "adapters on v", on="ttt_mode=lora")
     ttt_o_lora: bool = S(True, "adapters on the attention output", on="ttt_mode=lora")
     ttt_mlp_lora: bool = S(True, "adapters on the MLP output", on="ttt_mode=lora")
-    phased_ttt_prefix_docs: int = S(2500, "phased global SGD: the first N documents lora scores (longest first) "
-                                    "train the base weights in phases, after they are scored (0 = off); the record's "
-                                    "2,500 of 50,000 (45 of the proxy's 902: -0.0022)", NON_NEGATIVE,
-                                    on="ttt_mode=lora")
+    phased_ttt_prefix_docs: int = S(0, "phased global SGD: the first N documents lora scores (longest first) train "
+                                    "the base weights in phases, after they are scored (0 = off; the records' 2,500: "
+                                    "-0.0022 on the proxy, 455 s for a rank's share on an H200, past 450)",
+                                    NON_NEGATIVE, on="ttt_mode=lora")
     phased_ttt_num_phases: int = S(3, "phases of the prefix; after phase k, SGD on its first k/N (cumulative)",
                                    POSITIVE, on="phased_ttt_prefix_docs")
     global_ttt_lr: float = S(0.001, "the phases' SGD lr, cosine over the chunks", NON_NEGATIVE,

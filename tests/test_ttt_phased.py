@@ -224,10 +224,10 @@ def test_malformed_short_steps_are_refused(value):
 
 
 def test_phase_settings_without_phases_are_reported_ignored():
-    cfg, _ = tg.Hyperparameters.from_env({"GLOBAL_TTT_LR": "0.002", "PHASED_TTT_PREFIX_DOCS": "0"})
+    cfg, _ = tg.Hyperparameters.from_env({"GLOBAL_TTT_LR": "0.002"})
     assert "PHASED_TTT_PREFIX_DOCS=0" in cfg.ignored("global_ttt_lr")
-    cfg, _ = tg.Hyperparameters.from_env({"GLOBAL_TTT_LR": "0.002"})  # phases on by default (the record's 2,500)
-    assert cfg.ignored("global_ttt_lr") == "" and cfg.phased_ttt_prefix_docs == 2500
+    cfg, _ = tg.Hyperparameters.from_env({"GLOBAL_TTT_LR": "0.002", "PHASED_TTT_PREFIX_DOCS": "45"})
+    assert cfg.ignored("global_ttt_lr") == ""
     cfg, _ = tg.Hyperparameters.from_env({"TTT_MODE": "sgd", "PHASED_TTT_PREFIX_DOCS": "45"})
     assert "TTT_MODE=lora" in cfg.ignored("phased_ttt_prefix_docs")
 
