@@ -922,7 +922,6 @@ SAMPLE_MARK = 0x504D4153  # header word 3 of the shards data/make_sample.py writ
 BOS_ID = 1  # every document of a shard starts with it: the challenge tokenizers' <s>
 CASEOPS_TITLE = "\ue001"  # the first of CaseOps' case operators (U+E001..E004), a piece of its tokenizers only
 DOC_BOUNDARY_TOKENS = 256  # varlen: room for a document per 256 tokens (FineWeb: about 85 in a 98K-token micro-batch)
-VARLEN_GQA = {"enable_gqa": True} if torch.__version__ >= (2, 12) else {}  # see attention()
 
 
 def tokenizer_sha256(path: str) -> str:
@@ -1201,14 +1200,12 @@ def document_segments(ids_BT: Tensor) -> Tensor:
 
 def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str, mask: Tensor | None = None) -> Tensor:
     """Causal attention; with a document_mask (SDPA) or varlen's document_segments (torch's varlen_attn), within
-    each document. varlen takes K/V unrepeated (FlashAttention-2's own GQA; torch 2.11 passes the heads through, 2.12
-    on asks enable_gqa): fwd+bwd 1.72 ms against 1.88 repeated, outputs and K/V grads bit-equal (H200, session 28)."""
+    each document. varlen takes K/V repeated: unrepeated (FlashAttention-2's own GQA) the step was 0.8% slower."""
     if mask is not None and backend == "varlen":
         from torch.nn.attention.varlen import varlen_attn
         (B, T, H, D), K = q_BTHD.shape, k_BTKD.size(2)
-        k, v = (t.reshape(B * T, K, D) for t in (k_BTKD, v_BTKD))
-        return varlen_attn(q_BTHD.reshape(B * T, H, D), k, v, mask, mask, T, T, window_size=(-1, 0),
-                           **VARLEN_GQA).view(B, T, H, D)
+        k, v = (t.repeat_interleave(H // K, 2).reshape(B * T, H, D) for t in (k_BTKD, v_BTKD))
+        return varlen_attn(q_BTHD.reshape(B * T, H, D), k, v, mask, mask, T, T, window_size=(-1, 0)).view(B, T, H, D)
     if mask is None and backend == "fa3":
         from flash_attn_interface import flash_attn_func  # FlashAttention-3 (Hopper), optional
         y = flash_attn_func(q_BTHD, k_BTKD, v_BTKD, causal=True)

@@ -541,13 +541,10 @@ def test_fa3_backend_in_the_model(fake_fa3):
         tg.init_runtime(make_cfg(ATTN_BACKEND="fa3", DEVICE="cpu"), {})
 
 
-def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, window_size, enable_gqa=False):
+def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, window_size):
     """torch.nn.attention.varlen.varlen_attn's meaning (its kernel runs on CUDA only): causal attention within
-    each [cu[i], cu[i+1]) of the flattened tokens, empty sequences allowed; K/V heads shared by H/K query heads,
-    which torch >= 2.12 accepts only with enable_gqa (2.11 has no such argument)."""
-    assert torch.equal(cu_q, cu_k) and window_size == (-1, 0) and cu_q.dtype == torch.int32 and k.shape == v.shape
-    assert k.shape[1] < q.shape[1] and enable_gqa == (torch.__version__ >= (2, 12)), "the tiny model has GQA"
-    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
+    each [cu[i], cu[i+1]) of the flattened tokens, empty sequences allowed."""
+    assert torch.equal(cu_q, cu_k) and window_size == (-1, 0) and cu_q.dtype == torch.int32 and k.shape == q.shape
     out = torch.zeros_like(q)
     for a, b in zip(cu_q.tolist(), cu_q[1:].tolist()):
         if b > a:
@@ -568,7 +565,7 @@ def test_document_segments_list_row_starts_and_bos_padded_to_a_fixed_size(monkey
 
 @pytest.mark.parametrize("name", ["full", "gates"])
 def test_varlen_backend_equals_the_document_mask(monkeypatch, name):
-    """ATTN_BACKEND=varlen's plumbing (cu_seqlens, flattening, K/V heads for GQA, the result's layout) with the
+    """ATTN_BACKEND=varlen's plumbing (cu_seqlens, flattening, K/V repeated for GQA, the result's layout) with the
     kernel replaced by its meaning: logits and gradients equal the math backend's masked SDPA. The kernel itself
     is compared on the GPU."""
     import torch.nn.attention.varlen as varlen_module
