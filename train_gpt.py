@@ -3309,16 +3309,23 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     return 0
 
 
+ERROR_WAIT_SECONDS = 10.0  # report_error: ample for torchrun, which polls its workers every 0.1 s
+
+
 def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" + "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
 
 
 def report_error(e: BaseException) -> int:
-    """One line on stderr for an error that ends the run; errors every rank meets alike come from rank 0 only."""
+    """One line on stderr for an error that ends the run. One every rank meets alike comes from rank 0: the others
+    wait for torchrun to end them once rank 0 has exited (one exiting first got rank 0 killed before it printed), and
+    print it themselves if it does not come (then only they met it)."""
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0 or not isinstance(e, (ValueError, OSError, FloatingPointError, KeyboardInterrupt)):
-        what = (str(e) or "interrupted") if isinstance(e, KeyboardInterrupt) else error_text(e)
-        print(f"error{f' (rank {rank})' if rank else ''}: {what} (DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
+    if rank and isinstance(e, (ValueError, OSError, FloatingPointError, KeyboardInterrupt)):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(ERROR_WAIT_SECONDS)
+    what = (str(e) or "interrupted") if isinstance(e, KeyboardInterrupt) else error_text(e)
+    print(f"error{f' (rank {rank})' if rank else ''}: {what} (DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
     return 128 + getattr(e, "signum", signal.SIGINT) if isinstance(e, KeyboardInterrupt) else 1
 
 

@@ -272,6 +272,24 @@ def test_two_ranks_report_a_bad_setting_once(dataset, tokenizer_path, tmp_path):
                       "traceback)"], r.stderr[-3000:]
 
 
+@pytest.mark.parametrize("rank, error, waits", [("0", ValueError("bad"), False), ("1", ValueError("bad"), True),
+                                                 ("1", RuntimeError("CUDA error"), False)])
+def test_only_rank_0_reports_an_error_every_rank_meets_at_once(monkeypatch, capsys, rank, error, waits):
+    """The others wait to be ended by torchrun (an early exit got rank 0 killed before it printed), then report."""
+    slept = []
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(tg.time, "sleep", slept.append)
+    handler = signal.signal(signal.SIGTERM, tg.raise_interrupted)  # main's, which the wait must not keep
+    try:
+        assert tg.report_error(error) == 1
+        assert (signal.getsignal(signal.SIGTERM) == signal.SIG_DFL) == waits  # the wait ends at torchrun's SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert slept == ([tg.ERROR_WAIT_SECONDS] if waits else [])
+    who = "" if rank == "0" else f" (rank {rank})"
+    assert capsys.readouterr().err == f"error{who}: {tg.error_text(error)} (DEBUG=1 shows the traceback)\n"
+
+
 def test_a_reused_run_id_gets_its_own_log_and_sample_data_is_flagged(dataset, tokenizer_path, tmp_path):
     """A second run with the same RUN_ID used to append to the first one's log (and share its artifact path)."""
     sample = tmp_path / "sample"
