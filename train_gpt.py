@@ -257,7 +257,8 @@ class Hyperparameters:
     ttt_mlp_lora: bool = S(True, "adapters on the MLP output", on="ttt_mode=lora")
     phased_ttt_prefix_docs: int = S(0, "phased global SGD: the first N documents lora scores (longest first) train "
                                     "the base weights in phases, after they are scored (0 = off; the records' 2,500: "
-                                    "-0.0022 on the proxy, 455 s for a rank's share on an H200, past 450)",
+                                    "-0.0022 on the proxy; a rank's share 422-455 s on H200s, 454-486 on an H100: "
+                                    "past 450)",
                                     NON_NEGATIVE, on="ttt_mode=lora")
     phased_ttt_num_phases: int = S(3, "phases of the prefix; after phase k, SGD on its first k/N (cumulative)",
                                    POSITIVE, on="phased_ttt_prefix_docs")
