@@ -258,8 +258,7 @@ class Hyperparameters:
     phased_ttt_prefix_docs: int = S(0, "phased global SGD: the first N documents lora scores (longest first) train "
                                     "the base weights in phases, after they are scored (0 = off; the records' 2,500: "
                                     "-0.0022 on the proxy; a rank's share 422-455 s on H200s, 454-486 on an H100: "
-                                    "past 450)",
-                                    NON_NEGATIVE, on="ttt_mode=lora")
+                                    "past 450)", NON_NEGATIVE, on="ttt_mode=lora")
     phased_ttt_num_phases: int = S(3, "phases of the prefix; after phase k, SGD on its first k/N (cumulative)",
                                    POSITIVE, on="phased_ttt_prefix_docs")
     global_ttt_lr: float = S(0.001, "the phases' SGD lr, cosine over the chunks", NON_NEGATIVE,
