@@ -28,7 +28,8 @@ Resumable: each file lands in `<name>.part` and is renamed when complete; a shar
 whose size matches its header is skipped, a present shard that fails the check is fetched again.
 The manifest is always fetched again (it is small and decides everything else): a manifest cached for another
 variant or repository, which made the records delete data/manifest.json before switching, is never read.
-huggingface_hub is imported only when the default fetcher is used.
+huggingface_hub is imported only when the default fetcher is used. Offline, or with the hub unreachable, the tool
+ends in one line naming the file and the error, and what to do (exit status 1), as for any other failure.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ except ImportError:  # imported as data.cached_challenge_fineweb from the repo r
 DEFAULT_REPO_ID = "willdepueoai/parameter-golf"
 CASEOPS_VARIANT = "sp8192_lossless_caps_caseops_v1_reserved"  # fineweb10B_<this> in the CaseOps export's manifest
 VARIANT_ALIASES = {"sp8192_caseops": CASEOPS_VARIANT}
-# The repository that publishes each tokenizer family (the records' download commands, FRONTIER.md "Vocab
-# 4096/8192"; CaseOps: openai/parameter-golf records/track_10min_16mb/2026-04-18_PR1626_CaseOps_Taper/README.md);
-# others default to DEFAULT_REPO_ID.
+# The repository that publishes each tokenizer family (the records' download commands, in the READMEs of
+# openai/parameter-golf records/track_10min_16mb/: sp4096 2026-04-01_Vocab4096_MLPMult4_WD085, sp8192
+# 2026-04-05_SP8192_GPTQ-Embeddings_SDClip_Loop45x2, CaseOps 2026-04-18_PR1626_CaseOps_Taper); others default to
+# DEFAULT_REPO_ID.
 VARIANT_REPOS = {"sp4096": "kevclark/parameter-golf", "sp8192": "kevclark/parameter-golf",
                  CASEOPS_VARIANT: "romeerp/parameter-golf-caseops-v1"}
 DEFAULT_ROOT_PREFIX = "datasets"
@@ -68,7 +70,13 @@ def hf_fetch(repo_id: str) -> Fetch:
         except ImportError:
             raise ValueError("huggingface_hub is not installed: pip install huggingface_hub (or use --local-repo)") from None
 
-        cached = Path(hf_hub_download(repo_id=repo_id, filename=remote_relpath, repo_type="dataset"))
+        try:
+            cached = Path(hf_hub_download(repo_id=repo_id, filename=remote_relpath, repo_type="dataset"))
+        except Exception as e:  # noqa: BLE001  (the hub raises its own, requests' or httpx's errors, by version)
+            raise ValueError(f"downloading {remote_relpath} from the Hugging Face dataset {repo_id} failed "
+                             f"({type(e).__name__}: {' '.join(str(e).split())}): check the network (or HF_ENDPOINT, "
+                             "a proxy), or fetch the data where there is network and copy --dest over, or mirror "
+                             "the repository and pass --local-repo DIR") from None
         _link_or_copy(cached.resolve(strict=True), local_path)  # HF cache entries are symlinks to blobs
 
     return fetch
@@ -242,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"source:{args.local_repo or repo_id} root:{root} variant:{args.variant}")  # names what errors refer to
     try:
         out = download(args.variant, args.train_shards, args.dest, fetch, root)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: --dest unwritable, a full disk, ...: its message names the path
         raise SystemExit(f"error: {e}") from None
     print(f"downloaded dataset:{out['dataset_dir']} train_shards:{out['train_shards']} train_tokens:{out['train_tokens']} "
           f"val_shards:{out['val_shards']} val_tokens:{out['val_tokens']} "

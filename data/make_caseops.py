@@ -21,18 +21,18 @@ Sources:
       the bytes the source shards' byte rule counted, and the ids differ from a build from the dump.
 
 The challenge's validation set is the first 50,000 documents of the dump: NUM_VAL_DOCS = 50_000 in the challenge's
-exporter (data/download_hf_docs_and_tokenize.py of openai/parameter-golf), REFERENCE.md ("the first 50,000
-documents"), and the canonical CaseOps export (manifest docs_val=50000). So --val-docs defaults to 50,000; with
+exporter (data/download_hf_docs_and_tokenize.py of openai/parameter-golf), the published data's val shards (50,000
+BOS tokens), and the canonical CaseOps export (manifest docs_val=50000). So --val-docs defaults to 50,000; with
 fewer documents available the tool stops unless --allow-partial-val (then the val set is what there is: from
 --docs, every document, and no train).
 The records' prepare_caseops_data.py defaulted to 10,000: its train began at document 10,000, so run beside the
 canonical 50,000-document val set 80% of the val documents were also trained on (issue #2127; two leaderboard
 entries were removed for it).
 
-The leak guard: every val document's sha256 (of its original text; of the decoded text with --src) is kept, and
-a train document with one of those hashes stops the run before any train shard holding it is written, unless
---drop-leaked (then it is left out of train and counted in the manifest). FineWeb deduplicates within each crawl
-only, so the dump may hold a text twice.
+The leak guard (shards.ValSplit, make_shards.py's too): every val document's sha256 (of its original text; of the
+decoded text with --src) is kept, and a train document with one of those hashes stops the run before any train
+shard holding it is written, unless --drop-leaked (then it is left out of train and counted in the manifest).
+FineWeb deduplicates within each crawl only, so the dump may hold a text twice.
 
 Output (--out; refused if it already holds fineweb_*.bin shards or a manifest.json, unless --overwrite, which
 replaces them): fineweb_val_NNNNNN.bin, fineweb_val_bytes_NNNNNN.bin (one uint16 per val token in the same
@@ -94,7 +94,7 @@ except ImportError:  # imported as data.make_caseops from the repo root
 # module, so those imports happen inside the main process's functions (_tools).
 
 BOS_ID = 1  # the challenge shards' (make_shards.BOS_ID; checked against the tokenizer by make_shards.load_tokenizer)
-CHALLENGE_VAL_DOCS = 50_000
+CHALLENGE_VAL_DOCS = 50_000  # shards.CHALLENGE_VAL_DOCS, which the workers cannot import (see above)
 DEFAULT_SHARD_TOKENS = 100_000_000
 CHUNK_DOCS = 512  # documents per worker job: ~1.5 MB of FineWeb text (3 KB a document), 1-2 s of work
 SPLITS = ("val", "train")
@@ -264,10 +264,6 @@ class SplitWriter:
         self.pending, self.pending_tokens = [], 0
 
 
-class LeakError(ValueError):
-    pass
-
-
 def _existing_output(out: Path) -> list[Path]:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: exists and is not a directory")
@@ -292,39 +288,26 @@ def build(chunks: Iterator[Chunk], out: Path, model: str, val_docs: int, shard_t
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     writers = {s: SplitWriter(staging, s, shard_tokens, shards.write_shard) for s in SPLITS}
-    val_hashes: set[bytes] = set()
+    split = shards.ValSplit(val_docs, allow_partial_val, drop_leaked)
     val_digest = hashlib.sha256()
-    dropped, train_seen, t0, done = 0, 0, time.perf_counter(), 0
+    t0, done = time.perf_counter(), 0
     try:
         for enc in _ordered_map(encode_chunk, chunks, workers):
             if enc.split == "val":
-                val_hashes.update(enc.hashes)
+                split.add_val(enc.hashes)
                 for h in enc.hashes:
                     val_digest.update(h)
                 keep = np.ones(len(enc.hashes), dtype=bool)
             else:
-                if writers["val"].docs < val_docs and not allow_partial_val:
-                    break  # refused below, before any train shard is written
-                keep = np.array([h not in val_hashes for h in enc.hashes], dtype=bool)
-                if not keep.all():
-                    i = int(np.flatnonzero(~keep)[0])
-                    if not drop_leaked:
-                        raise LeakError(f"train document {train_seen + i} (from 0) has the sha256 of a val document "
-                                        f"({enc.hashes[i].hex()[:16]}...): it would train on the val set; nothing "
-                                        "was written (--drop-leaked leaves such documents out of train)")
-                    dropped += int((~keep).sum())
-                train_seen += len(keep)
+                split.check_val(writers["val"].docs)  # the val set is complete: refused before any train shard
+                keep = np.array(split.keep_train(enc.hashes), dtype=bool)
             writers[enc.split].add(enc, keep)
             done += 1
             if done % 200 == 0:
                 log(f"caseops_progress val_docs:{writers['val'].docs} train_docs:{writers['train'].docs} "
                     f"seconds:{time.perf_counter() - t0:.0f}")
         have = writers["val"].docs
-        if have < val_docs and not allow_partial_val:
-            raise ValueError(f"only {have} documents for the val set, --val-docs is {val_docs} (the challenge's val "
-                             f"set is the first {CHALLENGE_VAL_DOCS:,} documents); pass --allow-partial-val to "
-                             f"build a val set of {have} documents, whose scores are not comparable to the "
-                             "challenge's")
+        split.check_val(have)
         if have == 0:
             raise ValueError("no documents in the input")
         for w in writers.values():
@@ -338,7 +321,7 @@ def build(chunks: Iterator[Chunk], out: Path, model: str, val_docs: int, shard_t
                      byte_files=writers["val"].byte_files, requested_docs=val_docs, partial=have < val_docs,
                      docs_sha256=val_digest.hexdigest()),
             train=dict(docs=writers["train"].docs, tokens=writers["train"].tokens, files=writers["train"].files,
-                       dropped_leaked_docs=dropped))
+                       dropped_leaked_docs=split.dropped))
         # Only now does --out change: old shards out, new ones in, the manifest last (its presence means done).
         out.mkdir(parents=True, exist_ok=True)
         for path in existing:
@@ -385,8 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
     if args.docs and args.val_docs < CHALLENGE_VAL_DOCS:  # the #2127 leak, unless this is not the dump
-        print(f"caseops_warning --val-docs {args.val_docs}: documents {args.val_docs:,}..{CHALLENGE_VAL_DOCS - 1:,} "
-              "of the challenge's val set go to train here; never score this build's models on that val set")
+        print(f"caseops_warning {_tools()[2].val_docs_warning(args.val_docs)}")
     elif args.val_docs != CHALLENGE_VAL_DOCS:
         print(f"caseops_note --val-docs {args.val_docs}: not the challenge's split (its first "
               f"{CHALLENGE_VAL_DOCS:,} documents)")
@@ -401,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
                 args.val_docs, args.tokenizer)
         man = build(chunks, Path(args.out), args.tokenizer, args.val_docs, args.shard_tokens, args.workers,
                     args.allow_partial_val, args.drop_leaked, args.overwrite, source)
-    except ValueError as e:  # LeakError, CaseOpsError, bad input: one line, exit status 1
+    except ValueError as e:  # shards.LeakError, CaseOpsError, bad input: one line, exit status 1
         raise SystemExit(f"error: {e}") from None
     v, t = man["val"], man["train"]
     print(f"caseops split:val docs:{v['docs']} tokens:{v['tokens']} bytes:{v['bytes']} text_bytes:{v['text_bytes']} "

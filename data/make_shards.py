@@ -2,7 +2,7 @@
 
     python3 data/make_shards.py --input FILE [--input FILE ...] --out DIR
         (--tokenizer MODEL | --train-tokenizer --vocab-size V [--tokenizer-out PATH])
-        [--val-docs N] [--shard-tokens M] [--text-field text]
+        [--val-docs 50000] [--allow-partial-val] [--drop-leaked] [--shard-tokens M] [--text-field text]
 
 Inputs, by extension:
   .txt    one document per paragraph; paragraphs are separated by one or more blank (or
@@ -11,10 +11,14 @@ Inputs, by extension:
 Empty or whitespace-only documents are skipped. Files must be UTF-8 (a leading BOM is allowed).
 
 Output, as the published data: each document is [BOS=1] + encode(doc), no EOS. The first N documents
-(--val-docs, default 1000) form the token stream of DIR/fineweb_val_000000.bin, ...; the rest form
-DIR/fineweb_train_000000.bin, ...; each stream is cut into shards of exactly M tokens (--shard-tokens,
-default 100,000,000 like the published shards) plus a shorter last one, so a document may straddle two
-shards. Stale fineweb_*.bin shards of a previous run in DIR are removed.
+(--val-docs, default 50,000: the challenge's val set, the first 50,000 documents of its dump) form the token
+stream of DIR/fineweb_val_000000.bin, ...; the rest form DIR/fineweb_train_000000.bin, ...; each stream is cut
+into shards of exactly M tokens (--shard-tokens, default 100,000,000 like the published shards) plus a shorter
+last one, so a document may straddle two shards. Fewer than N documents stop the tool unless --allow-partial-val
+(then every document is val, and there is no train). The leak guard of data/make_caseops.py (shards.ValSplit): a
+train document whose text is a val document's stops the tool before anything is written, unless --drop-leaked
+(then it is left out of train, and of the tokenizer's training text). The shards are written beside DIR and moved
+in only when all went well; stale fineweb_*.bin shards of a previous run in DIR are then removed.
 
 Tokenizer training (--train-tokenizer) uses the challenge's sp1024 settings, read back from
 fineweb_1024_bpe.model's trainer spec: BPE, byte_fallback, split_digits, nmt_nfkc normalization
@@ -25,9 +29,10 @@ documents (never on val; SentencePiece holds them in memory, fine up to a few hu
 single-threaded with a fixed seed, and serialized without a path, so the same input gives a
 byte-identical model and shards. Default output: DIR/tokenizer_sp<V>.model.
 
-Every tokenizer must have a standalone "\u2581" piece (val_bpb byte counting relies on it: see
-REFERENCE.md "val_bpb, exactly"). We check and fail instead of forcing it with user_defined_symbols,
-which would split every space off as its own token and stop merges like "\u2581the".
+Every tokenizer must have a standalone "\u2581" piece (val_bpb byte counting relies on it: a piece's leading
+U+2581 counts as the space byte, and a tokenizer without the standalone piece made fake records by miscounting
+spaces). We check and fail instead of forcing it with user_defined_symbols, which would split every space off as
+its own token and stop merges like "\u2581the".
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -46,9 +52,11 @@ import numpy as np
 import sentencepiece as spm
 
 try:
-    from shards import write_shard
+    from caseops import doc_hash
+    from shards import CHALLENGE_VAL_DOCS, ValSplit, val_docs_warning, write_shard
 except ImportError:  # imported as data.make_shards from the repo root
-    from data.shards import write_shard
+    from data.caseops import doc_hash
+    from data.shards import CHALLENGE_VAL_DOCS, ValSplit, val_docs_warning, write_shard
 
 BOS_ID = 1
 MAX_VOCAB = 65536  # ids are stored as uint16
@@ -220,6 +228,20 @@ class ShardStream:
         self.files.append(path)
 
 
+def split_documents(docs: Iterable[str], split: ValSplit) -> Iterator[tuple[str, str]]:
+    """("val" or "train", document) in order: the first split.val_docs val, the rest train through the leak guard."""
+    n_val = 0
+    for doc in docs:
+        if n_val < split.val_docs:
+            split.add_val([doc_hash(doc)])
+            n_val += 1
+            yield "val", doc
+        elif split.keep_train([doc_hash(doc)])[0]:
+            yield "train", doc
+    if n_val:  # none: the caller says the input is empty
+        split.check_val(n_val)
+
+
 def _check_split_args(val_docs: int, shard_tokens: int) -> None:
     if val_docs < 1:
         raise ValueError(f"--val-docs {val_docs}: need at least 1 validation document")
@@ -228,35 +250,45 @@ def _check_split_args(val_docs: int, shard_tokens: int) -> None:
 
 
 def write_shards(docs: Iterable[str], sp: spm.SentencePieceProcessor, out_dir: str | os.PathLike,
-                 val_docs: int, shard_tokens: int = DEFAULT_SHARD_TOKENS, mark: int = 0) -> dict:
-    """Encode docs as [BOS] + ids; the first val_docs go to val shards, the rest to train shards (header word 3
-    = mark: shards.SAMPLE_MARK for the offline sample)."""
+                 val_docs: int, shard_tokens: int = DEFAULT_SHARD_TOKENS, mark: int = 0,
+                 allow_partial_val: bool = False, drop_leaked: bool = False) -> dict:
+    """Encode docs as [BOS] + ids; the first val_docs go to val shards, the rest to train shards (ValSplit: fewer
+    stop it unless allow_partial_val, a leaked one unless drop_leaked; header word 3 = mark: shards.SAMPLE_MARK for
+    the offline sample). Written to a staging folder beside out_dir, moved in only when all went well."""
     _check_split_args(val_docs, shard_tokens)
     check_tokenizer(sp, "tokenizer")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    streams = {s: ShardStream(out_dir, s, shard_tokens, mark) for s in ("val", "train")}
-    docs_iter = iter(docs)
-    index = 0
-    while batch := list(itertools.islice(docs_iter, ENCODE_BATCH_DOCS)):
-        for ids in sp.encode(batch):
-            streams["val" if index < val_docs else "train"].add(np.array([BOS_ID, *ids], dtype=np.uint16))
-            index += 1
-    if index == 0:
-        raise ValueError("no documents in the input (empty files or only blank lines?)")
-    if index <= val_docs:
-        raise ValueError(f"only {index} documents: need more than --val-docs {val_docs} to leave train data")
-    for stream in streams.values():
-        stream.close()
-    _remove_stale_shards(out_dir, [f for s in streams.values() for f in s.files])
-    return {s: dict(docs=st.docs, tokens=st.total_tokens, files=st.files) for s, st in streams.items()}
-
-
-def _remove_stale_shards(out_dir: Path, keep: list[Path]) -> None:
-    # A previous run with more shards would otherwise leave extra files that a shard glob picks up.
-    for path in out_dir.glob("fineweb_*_*.bin"):
-        if re.fullmatch(r"fineweb_(train|val)_\d{6}\.bin", path.name) and path not in keep:
-            path.unlink()
+    split = ValSplit(val_docs, allow_partial_val, drop_leaked)
+    staging = out_dir.resolve().parent / f".{out_dir.resolve().name}.shards-staging-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        streams = {s: ShardStream(staging, s, shard_tokens, mark) for s in ("val", "train")}
+        labelled = split_documents(docs, split)
+        while batch := list(itertools.islice(labelled, ENCODE_BATCH_DOCS)):
+            for (name, _), ids in zip(batch, sp.encode([doc for _, doc in batch])):
+                streams[name].add(np.array([BOS_ID, *ids], dtype=np.uint16))
+        if streams["val"].docs == 0:
+            raise ValueError("no documents in the input (empty files or only blank lines?)")
+        if streams["train"].docs == 0 and not allow_partial_val:
+            raise ValueError(f"no train documents left: --drop-leaked dropped all {split.dropped}, each a val "
+                             "document's text" if split.dropped else f"only {streams['val'].docs} documents: need "
+                             f"more than --val-docs {val_docs} to leave train data")
+        for stream in streams.values():
+            stream.close()
+        # Only now does out_dir change: a previous run's shards out (a glob would pick up extra ones), ours in.
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for path in out_dir.glob("fineweb_*_*.bin"):
+            if re.fullmatch(r"fineweb_(train|val)_\d{6}\.bin", path.name):
+                path.unlink()
+        for stream in streams.values():
+            for f in stream.files:
+                os.replace(f, out_dir / f.name)
+            stream.files = [out_dir / f.name for f in stream.files]
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {s: dict(docs=st.docs, tokens=st.total_tokens, files=st.files) | (
+        dict(dropped_leaked_docs=split.dropped) if s == "train" else {}) for s, st in streams.items()}
 
 
 # ---------------------------------------------------------------- CLI
@@ -270,7 +302,12 @@ def main(argv: list[str] | None = None) -> dict:
     tok.add_argument("--train-tokenizer", action="store_true", help="train a tokenizer on the train documents")
     p.add_argument("--vocab-size", type=int, help="vocab size for --train-tokenizer")
     p.add_argument("--tokenizer-out", help="where to write the trained model (default DIR/tokenizer_sp<V>.model)")
-    p.add_argument("--val-docs", type=int, default=1000, help="first N documents form the val split")
+    p.add_argument("--val-docs", type=int, default=CHALLENGE_VAL_DOCS,
+                   help=f"the first N documents are val (default {CHALLENGE_VAL_DOCS}, the challenge's split)")
+    p.add_argument("--allow-partial-val", action="store_true",
+                   help="with fewer documents than --val-docs, make them all val instead of stopping")
+    p.add_argument("--drop-leaked", action="store_true",
+                   help="leave train documents whose text is a val document's out of train instead of stopping")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="max tokens per shard")
     p.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl inputs")
     args = p.parse_args(argv)
@@ -280,22 +317,28 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--vocab-size/--tokenizer-out only apply with --train-tokenizer")
 
     docs: Callable[[], Iterator[str]] = lambda: iter_documents(args.input, args.text_field)
+    if warning := val_docs_warning(args.val_docs):  # the #2127 leak, if the input is the challenge's dump
+        print(f"shards_warning {warning}")
     try:
         _check_split_args(args.val_docs, args.shard_tokens)  # fail before reading any input
         if args.train_tokenizer:
             model_path = Path(args.tokenizer_out or Path(args.out) / f"tokenizer_sp{args.vocab_size}.model")
             if not 0 < args.vocab_size <= MAX_VOCAB:
                 raise ValueError(f"--vocab-size {args.vocab_size}: must be in [1, {MAX_VOCAB}] to fit uint16 shards")
-            train_docs = itertools.islice(docs(), args.val_docs, None)
+            # the train documents as the shards will hold them: the guard's refusals come before any training
+            split = ValSplit(args.val_docs, args.allow_partial_val, args.drop_leaked)
+            train_docs = (doc for name, doc in split_documents(docs(), split) if name == "train")
             sp = train_tokenizer(train_docs, args.vocab_size, model_path)
             print(f"tokenizer path:{model_path} vocab_size:{sp.vocab_size()}")
         else:
             sp = load_tokenizer(args.tokenizer)
-        out = write_shards(docs(), sp, args.out, args.val_docs, args.shard_tokens)
-    except ValueError as e:
+        out = write_shards(docs(), sp, args.out, args.val_docs, args.shard_tokens,
+                           allow_partial_val=args.allow_partial_val, drop_leaked=args.drop_leaked)
+    except ValueError as e:  # shards.LeakError, the val set's size, bad input: one line, exit status 1
         raise SystemExit(f"error: {e}") from None
-    for split, st in out.items():
-        print(f"shards split:{split} docs:{st['docs']} tokens:{st['tokens']} files:{len(st['files'])} dir:{args.out}")
+    for name, st in out.items():
+        print(f"shards split:{name} docs:{st['docs']} tokens:{st['tokens']} files:{len(st['files'])} dir:{args.out}"
+              + (f" dropped_leaked:{st['dropped_leaked_docs']}" if name == "train" else ""))
     return out
 
 

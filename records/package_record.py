@@ -24,6 +24,8 @@ existing output folder without --force.
 --allow-partial-val packages runs scored on fewer validation documents (or an unknown number) for checks: the
 record is then marked not a submission (`"not_a_submission": "<why>"` in submission.json and a
 `**NOT A SUBMISSION**` line at the top of README.md).
+A file that is not a train_gpt.py log (missing, unreadable, not UTF-8 text, without the source block its logs start
+with, or with a line the packager reads that lacks its numbers) stops the tool with one stderr line naming it.
 Skipped (one stderr line each, no refusal, so `logs/*.txt` works): a log of a run that failed at the start,
 i.e. an `error <Type>: <msg>` line but no `step:` line and no score or train_done line.
 With previous-record values (numbers, or logs whose final val_loss is read), a one-sided Welch t-test asks
@@ -147,6 +149,10 @@ class Refusal(Exception):
     """A log (or the set of logs) does not qualify as a record; the message says which and why."""
 
 
+class NotALog(Exception):
+    """A file given as a log is none: the message names it and says why (one line)."""
+
+
 @dataclass
 class RunLog:
     path: Path
@@ -223,15 +229,55 @@ def _extract_source(lines: list[str]) -> tuple[bytes | None, int]:
     return "".join(line + "\n" for line in lines[start:end]).encode("utf-8"), end + 1
 
 
+# The event lines kept, the keys each must have, and the keys read as numbers (ms or not): a line without them is
+# none that train_gpt.py wrote (README.md's table of log lines has `train_done steps:S train_time:Tms`)
+EVENTS = ("train_done", "post_ema_exact", "final_int6_roundtrip", "final_int6_roundtrip_exact",
+          "final_int6_sliding_window", "legal_ttt", *SCORE_EVENTS)
+REQUIRED = {"train_done": ("steps", "train_time"), **dict.fromkeys(SCORE_EVENTS, ("val_loss", "val_bpb"))}
+NUMBER_KEYS = ("steps", "train_time", "step_avg", "eval_time", "val_loss", "val_bpb")
+CURVE_RE = re.compile(r"step:(\d+)/\d+ train_loss:(\S+) train_time:(\S+)ms .*")
+
+
+def _is_number(value: str) -> bool:
+    try:
+        float(value.removesuffix("ms"))
+    except ValueError:
+        return False
+    return True
+
+
+def _unreadable(line: str, event: str, values: dict[str, str]) -> str | None:
+    """The first value of the line that this tool would read as a number and cannot (None: all can be)."""
+    if missing := [k for k in REQUIRED.get(event, ()) if k not in values]:
+        return missing[0]
+    if bad := [k for k in NUMBER_KEYS if k in values and not _is_number(values[k])]:
+        return bad[0]
+    if (m := re.fullmatch(r"setting seed:(.*)", line)) and not re.fullmatch(r"-?\d+", m[1]):
+        return "seed"
+    if (m := CURVE_RE.fullmatch(line)) and not (_is_number(m[2]) and _is_number(m[3])):
+        return "train_loss or train_time"
+    return None
+
+
 def parse_log(path: Path) -> RunLog:
-    text = path.read_bytes().decode("utf-8")
+    """The run a log records (a train_gpt.py log, or for --prev-record-logs any script's); NotALog if it is none."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise NotALog(f"{path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise NotALog(f"{path}: not a log: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") \
+            from None
     lines = text.split("\n")
     run = RunLog(path)
     run.source, first = _extract_source(lines)
     run.runs = lines.count(SOURCE_START)
-    for line in lines[first:]:  # never read key:value lines out of the embedded source
+    for n, line in enumerate(lines[first:], first + 1):  # never read key:value lines out of the embedded source
         event = line.split(" ", 1)[0]
         run.stepped |= re.match(r"step:\d+/\d+ ", line) is not None
+        values = _key_values(line) if event in EVENTS else {}
+        if bad := _unreadable(line, event, values):
+            raise NotALog(f"{path}: line {n} is not as train_gpt.py writes it (no number for {bad}): {line[:80]!r}")
         if m := re.fullmatch(r"setting (\w+):(.*)", line):
             run.settings[m[1]] = m[2]
         elif m := re.fullmatch(r"Total submission size int6\+(\w+): (\d+) bytes( .*)?", line):
@@ -251,11 +297,10 @@ def parse_log(path: Path) -> RunLog:
             run.error = line.removeprefix("error ")
         elif m := re.fullmatch(r"peak memory allocated: (\d+) MiB reserved: (\d+) MiB", line):
             run.peak_mib = (int(m[1]), int(m[2]))
-        elif m := re.fullmatch(r"step:(\d+)/\d+ train_loss:(\S+) train_time:(\S+)ms .*", line):
+        elif m := CURVE_RE.fullmatch(line):
             run.curve.append((int(m[1]), float(m[2]), float(m[3])))
-        elif event in ("train_done", "post_ema_exact", "final_int6_roundtrip", "final_int6_roundtrip_exact",
-                       "final_int6_sliding_window", "legal_ttt", *SCORE_EVENTS):
-            run.events[event] = _key_values(line)
+        elif event in EVENTS:
+            run.events[event] = values
     if run.source is not None:  # a newline of the log's own may follow the source: the logged code_bytes decides
         for source in (run.source[:-1], run.source):
             run.source, run.shipped = source, shipped_code(source)
@@ -297,9 +342,7 @@ def problems_of(run: RunLog, allow_partial_val: bool = False) -> list[str]:
     elif run.val_docs < FULL_VAL_DOCS:
         out.append(f"scored on {run.val_docs:,} validation documents, fewer than the challenge's {FULL_VAL_DOCS:,} "
                    f"(the full FineWeb val set) (--allow-partial-val packages it, marked not a submission)")
-    if run.source is None:
-        out.append(f"no embedded source (`{SOURCE_START}` line missing)")
-    elif run.code_bytes is None:
+    if run.code_bytes is None:
         out.append("no `code_bytes:N` line")
     elif run.shipped is None:
         out.append("the embedded source has no shipped_code function (the size of the code a record ships)")
@@ -337,15 +380,17 @@ def differing_settings(runs: list[RunLog]) -> list[str]:
 
 
 def load_runs(paths: list[Path], allow_partial_val: bool = False) -> list[RunLog]:
-    """Parse and check every log; raise one Refusal listing all problems found. A log of a run that failed at the
-    start is left out, with one line on stderr."""
+    """Parse and check every log; raise one Refusal listing all problems found (NotALog for a file that is no
+    train_gpt.py log). A log of a run that failed at the start is left out, with one line on stderr."""
     problems, runs = [], []
     for path in paths:
         try:
             run = parse_log(path)
-        except (OSError, UnicodeDecodeError, Refusal) as e:
+        except Refusal as e:
             problems.append(f"{path}: {e}")
             continue
+        if run.source is None:
+            raise NotALog(f"{path}: not a log of train_gpt.py: no `{SOURCE_START}` line (its logs start with one)")
         if run.failed_at_start:
             print(f"package_record: skipped {path}: the run failed at the start (no training step, no score): "
                   f"error {run.error}", file=sys.stderr)
@@ -376,7 +421,7 @@ def prev_record_losses(paths: list[Path]) -> list[float]:
     for path in paths:
         try:
             run = parse_log(path)
-        except (OSError, UnicodeDecodeError, Refusal) as e:
+        except Refusal as e:
             raise Refusal(f"{path}: {e}") from None
         if run.score_event is None:
             raise Refusal(f"{path}: previous-record log has no final score line ({' or '.join(SCORE_EVENTS)})")
@@ -509,6 +554,9 @@ def main(argv: list[str] | None = None) -> int:
         folder = package(args.logs, meta, args.root, args.track, prev_losses, args.force, args.allow_partial_val)
     except Refusal as e:
         print(f"package_record: REFUSED\n{e}", file=sys.stderr)
+        return 1
+    except NotALog as e:
+        print(f"package_record: error: {e}", file=sys.stderr)
         return 1
     sub = json.loads((folder / "submission.json").read_text())
     print(f"package_record: wrote {folder}\nval_bpb mean {sub['val_bpb']:.8f} val_loss mean {sub['val_loss']:.8f} "

@@ -6,7 +6,9 @@ Expected values come from independent code (struct for headers, unicodedata for 
 per-document sp.encode for token streams), not from the code under test.
 """
 
+import importlib.util
 import json
+import os
 import random
 import struct
 import subprocess
@@ -268,6 +270,79 @@ def test_each_variant_comes_from_the_repository_that_publishes_it(tmp_path, monk
     assert f"source:{want} root:datasets variant:{variant}" in capsys.readouterr().out
 
 
+HUB_STUB = """
+class LocalEntryNotFoundError(FileNotFoundError):  # offline: what huggingface_hub raises (an OSError)
+    pass
+
+
+class ConnectError(Exception):  # httpx's, which huggingface_hub >= 1.0 lets through: not an OSError
+    pass
+
+
+class HfHubHTTPError(OSError):
+    pass
+
+
+FAILURES = {
+    "offline": LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub and we cannot "
+                                       "find the requested files in the local cache. Please check your connection."),
+    "unreachable": ConnectError("[Errno -3] Temporary failure in name resolution"),
+    "http": HfHubHTTPError("503 Server Error: Service Unavailable for url: https://huggingface.co/x\\n\\nRetry later."),
+}
+
+
+def hf_hub_download(repo_id, filename, repo_type):
+    import os
+    raise FAILURES[os.environ["HUB_FAILURE"]]
+"""
+
+
+@pytest.fixture
+def failing_hub(tmp_path, monkeypatch):
+    """A stand-in huggingface_hub whose download fails as the real one does offline or with the hub unreachable
+    (HUB_FAILURE picks how): no test touches the network."""
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "huggingface_hub.py").write_text(HUB_STUB)  # for a subprocess, on its PYTHONPATH
+    spec = importlib.util.spec_from_file_location("huggingface_hub", stub / "huggingface_hub.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", module)  # for this process, until the test ends
+    monkeypatch.delenv("MATCHED_FINEWEB_REPO_ID", raising=False)
+    return stub
+
+
+@pytest.mark.parametrize("failure, what", [("offline", "LocalEntryNotFoundError: An error happened"),
+                                           ("unreachable", "ConnectError: [Errno -3] Temporary failure"),
+                                           ("http", "HfHubHTTPError: 503 Server Error: Service Unavailable for url: "
+                                                    "https://huggingface.co/x Retry later.")])
+def test_an_unreachable_hub_is_one_line_saying_what_failed_and_what_to_do(tmp_path, monkeypatch, failing_hub,
+                                                                          failure, what):
+    """Offline or with the hub unreachable, the downloader ended in a traceback."""
+    monkeypatch.setenv("HUB_FAILURE", failure)
+    with pytest.raises(SystemExit) as e:
+        ccf.main(["--variant", "sp1024", "--train-shards", "1", "--dest", str(tmp_path / "d")])
+    msg = str(e.value)
+    assert msg.startswith(f"error: downloading datasets/manifest.json from the Hugging Face dataset "
+                          f"willdepueoai/parameter-golf failed ({what}") and "\n" not in msg
+    assert msg.endswith("or mirror the repository and pass --local-repo DIR")
+
+
+def test_an_unreachable_hub_ends_the_script_without_a_traceback(tmp_path, failing_hub):
+    env = {**{k: v for k, v in os.environ.items() if k != "MATCHED_FINEWEB_REPO_ID"}, "HUB_FAILURE": "unreachable",
+           "PYTHONPATH": os.pathsep.join([str(failing_hub), *sys.path])}
+    run = subprocess.run([sys.executable, str(DATA_DIR / "cached_challenge_fineweb.py"), "--dest", str(tmp_path / "d")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("error: downloading datasets/manifest.json from the Hugging Face dataset ")
+
+
+def test_an_unwritable_dest_is_one_line(tmp_path, fake_repo):
+    (tmp_path / "d").write_text("a file, not a folder")
+    with pytest.raises(SystemExit, match=r"^error: \[Errno 20\] Not a directory: .*d/datasets"):
+        ccf.main(["--train-shards", "1", "--dest", str(tmp_path / "d"), "--local-repo", str(fake_repo)])
+
+
 def test_a_manifest_left_by_another_variant_is_never_read(tmp_path, fake_repo):
     """The records deleted data/manifest.json before switching variants; here a stale one is replaced."""
     dest = tmp_path / "data"
@@ -504,6 +579,60 @@ def test_make_shards_errors_txt(tmp_path, tiny_tokenizer, content, extra, messag
     args = ["--input", str(src), "--out", str(tmp_path / "out"), "--val-docs", "1"]
     with pytest.raises(SystemExit, match=message):
         make_shards.main(args + (extra or ["--tokenizer", str(tiny_tokenizer)]))
+
+
+def test_val_is_the_challenges_first_50000_documents_by_default(tmp_path, tiny_tokenizer):
+    """--val-docs defaulted to 1000: the challenge's val documents 1,000-49,999 went to train without a word."""
+    docs = [f"doc {i} {WORDS[i % len(WORDS)]}" for i in range(50_003)]
+    src, out = write_jsonl(tmp_path / "in.jsonl", docs), tmp_path / "out"
+    stats = make_shards.main(["--input", str(src), "--out", str(out), "--tokenizer", str(tiny_tokenizer)])
+    sp = spm.SentencePieceProcessor(model_file=str(tiny_tokenizer))
+    val = split_docs(np.concatenate([shards.read_shard(f) for f in stats["val"]["files"]]))
+    train = split_docs(np.concatenate([shards.read_shard(f) for f in stats["train"]["files"]]))
+    assert (len(val), val[-1]) == (50_000, sp.encode(docs[49_999]))
+    assert train == sp.encode(docs[50_000:])
+
+
+def test_fewer_documents_than_the_val_set_stop_unless_allowed(tmp_path, tiny_tokenizer, capsys):
+    """As data/make_caseops.py: fewer documents than --val-docs stop the tool, naming the flag that builds a partial
+    val set anyway (every document val, no train), and nothing is written."""
+    docs = synthetic_docs(30, seed=5)
+    src, out = write_jsonl(tmp_path / "in.jsonl", docs), tmp_path / "out"
+    for tok in (["--tokenizer", str(tiny_tokenizer)], ["--train-tokenizer", "--vocab-size", str(TINY_VOCAB)]):
+        with pytest.raises(SystemExit, match=r"^error: only 30 documents for the val set, --val-docs is 50000 \(the "
+                           r"challenge's val set is the first 50,000 documents\); pass --allow-partial-val"):
+            make_shards.main(["--input", str(src), "--out", str(out), *tok])
+        assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+    assert "shards_warning" not in capsys.readouterr().out  # the challenge's split: nothing to warn about
+    stats = make_shards.main(["--input", str(src), "--out", str(out), "--tokenizer", str(tiny_tokenizer),
+                              "--allow-partial-val"])
+    assert (stats["val"]["docs"], stats["train"]["docs"]) == (30, 0)
+    assert sorted(p.name for p in out.iterdir()) == ["fineweb_val_000000.bin"]
+    make_shards.main(["--input", str(src), "--out", str(out), "--tokenizer", str(tiny_tokenizer), "--val-docs", "20"])
+    assert "shards_warning --val-docs 20: documents 20..49,999 of the challenge's val set go to train" in \
+        capsys.readouterr().out
+
+
+def test_a_val_document_repeated_in_train_stops_the_tool_unless_dropped(tmp_path, tiny_tokenizer):
+    """As data/make_caseops.py's leak guard: a train document whose text is a val document's stops the tool before
+    anything is written (the tokenizer too); --drop-leaked leaves it out of train and of the tokenizer's text."""
+    docs = synthetic_docs(40, seed=6)
+    assert len(set(docs)) == len(docs)
+    src = write_jsonl(tmp_path / "in.jsonl", docs[:20] + [docs[4]] + docs[20:])  # train document 0 is val document 4
+    out = tmp_path / "out"
+    for tok in (["--tokenizer", str(tiny_tokenizer)], ["--train-tokenizer", "--vocab-size", str(TINY_VOCAB)]):
+        with pytest.raises(SystemExit, match=r"^error: train document 0 \(from 0\) has the sha256 of a val document "
+                           r"\([0-9a-f]{16}\.\.\.\): it would train on the val set; nothing was written "
+                           r"\(--drop-leaked leaves such documents out of train\)$"):
+            make_shards.main(["--input", str(src), "--out", str(out), "--val-docs", "20", *tok])
+        assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+    stats = make_shards.main(["--input", str(src), "--out", str(out), "--val-docs", "20", "--drop-leaked",
+                              "--train-tokenizer", "--vocab-size", str(TINY_VOCAB)])
+    assert stats["train"]["dropped_leaked_docs"] == 1
+    alone = make_shards.train_tokenizer(docs[20:], TINY_VOCAB, tmp_path / "alone.model")  # never saw the leak
+    assert (out / f"tokenizer_sp{TINY_VOCAB}.model").read_bytes() == (tmp_path / "alone.model").read_bytes()
+    train = split_docs(np.concatenate([shards.read_shard(f) for f in stats["train"]["files"]]))
+    assert train == alone.encode(docs[20:])
 
 
 @pytest.mark.parametrize("lines, message", [

@@ -280,6 +280,49 @@ def test_refusals(tmp_path, capsys, bad, reason):
     assert not (tmp_path / "out").exists()
 
 
+def _not_a_log(tmp_path, name: str) -> tuple[Path, str]:
+    """A file that is no train_gpt.py log, and why, as the packager must say it."""
+    path = tmp_path / name
+    if name == "artifact.int6.ptz":  # a binary file: the artifact instead of the log
+        path.write_bytes(b"PGA\x01\xfd7zXZ\x00\x00")
+        return path, "not a log: not UTF-8 text (byte 0xfd at offset 4)"
+    if name == "notes.txt":  # some other text
+        path.write_text("results of today\nseed 1 was best\n")
+        return path, "not a log of train_gpt.py: no `==== source: train_gpt.py ====` line (its logs start with one)"
+    if name == "README.md":  # text with log-like lines, as the README's table of them
+        path.write_text("step:S/N train_loss:X\ntrain_done steps:S train_time:Tms step_avg:Ams\n")
+        return path, "line 2 is not as train_gpt.py writes it (no number for steps): 'train_done steps:S train_time:Tms"
+    if name == "cut.txt":  # a log whose score line was cut off mid-write
+        log, _ = make_log(tmp_path, 5)
+        log.write_text(log.read_text().rstrip("\n").rsplit(" ", 1)[0] + "\n")
+        path = log.rename(path)
+        last = len(path.read_text().splitlines())
+        return path, f"line {last} is not as train_gpt.py writes it (no number for val_bpb): " \
+                     "'final_int6_sliding_window_exact val_loss:"
+    return path, "cannot read it (No such file or directory)"  # missing.txt
+
+
+@pytest.mark.parametrize("name", ["artifact.int6.ptz", "notes.txt", "README.md", "cut.txt", "missing.txt"])
+def test_a_file_that_is_no_log_is_one_line_naming_it(tmp_path, capsys, name):
+    """A binary file, other text, a missing file or a malformed line ended in a traceback (or a list of every
+    record rule the file broke): now one stderr line names the file and why, exit status 1."""
+    good, _ = make_log(tmp_path, 1)
+    bad, why = _not_a_log(tmp_path, name)
+    assert run_cli(tmp_path, [good, bad]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"package_record: error: {bad}: {why}"), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_previous_record_log_that_is_no_log_is_one_line_naming_it(tmp_path):
+    good, _ = make_log(tmp_path, 1)
+    bad, why = _not_a_log(tmp_path, "artifact.int6.ptz")
+    run = subprocess.run([sys.executable, str(ROOT / "records" / "package_record.py"), str(good), *META,
+                          "--root", str(tmp_path / "out"), "--prev-record-logs", str(bad)],
+                         capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stderr) == (1, f"package_record: error: {bad}: {why}\n")
+
+
 def test_refuses_a_log_of_two_runs_and_a_run_on_the_sample_data(tmp_path, capsys):
     """A reused RUN_ID used to append a second run to one log, and the packager took the mixed log; a run on the
     offline sample (data/make_sample.py) was accepted as a record."""

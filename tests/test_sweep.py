@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -293,6 +294,83 @@ def test_a_terminated_sweep_kills_its_runs(tmp_path):
     time.sleep(0.5)
     stat = Path(f"/proc/{pid}/stat")  # gone, or a zombie nobody reaped yet (this container's init may not)
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_ctrl_c_stops_the_runs_at_a_checkpoint_and_says_how_to_resume(tmp_path, dataset, tokenizer_path):
+    """Ctrl-C to a sweep used to SIGKILL its runs, their trained steps lost: now each running run gets SIGINT, writes
+    logs/<RUN_ID>.ckpt at its next step and ends, and the sweep prints its last line and the command that resumes it."""
+    env = tiny_env(dataset, tokenizer_path, ITERATIONS="1000000", MAX_WALLCLOCK_SECONDS="0", TRAIN_LOG_EVERY="1")
+    base = " ".join(f"{k}={v}" for k, v in env.items() if k not in sw.RUNNER_SETTINGS)
+    proc = subprocess.Popen([sys.executable, str(SWEEP), "--name", "c", "--seeds", "1", "--base", base], cwd=tmp_path,
+                            env=dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log, deadline = tmp_path / "logs" / "c_base_s1.txt", time.monotonic() + 180
+    try:
+        while not (log.is_file() and re.search(r"^step:\d+/1000000 train_loss:", log.read_text(), flags=re.M)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run logged no training step"
+            time.sleep(0.2)  # polling the log: the run has trained a step once the line is there
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=sw.STOP_WAIT_S + 60)
+    finally:
+        if proc.poll() is None:  # the test failed: the sweep stops its run as for Ctrl-C
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=sw.STOP_WAIT_S + 60)
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    said = re.search(r"^sweep: run base seed:1 cpu stopped: interrupted by SIGINT at step (\d+): resume with "
+                     r"RESUME=logs/c_base_s1.ckpt and the same settings$", err, flags=re.M)
+    assert said, err
+    ckpt = tmp_path / "logs" / "c_base_s1.ckpt"
+    assert sw.load_script(ROOT / "train_gpt.py").read_checkpoint(str(ckpt))["clock"]["step"] == int(said[1])
+    resume = next(ln for ln in err.splitlines() if ln.startswith("  resume it: "))
+    words = shlex.split(resume.removeprefix("  resume it: "))
+    settings = dict(w.split("=", 1) for w in words[:-2])  # the run's own command, with RESUME= its checkpoint
+    assert settings == {"RESUME": "logs/c_base_s1.ckpt", **sw.parse_assignments(base, "base"), "RUN_ID": "c_base_s1",
+                        "SEED": "1", "ARTIFACT_PATH": "logs/c_base_s1.int6.ptz"}
+    assert words[-2:] == [sys.executable, str(ROOT / "train_gpt.py")]
+
+
+def test_a_killed_torchrun_takes_its_workers_with_it(tmp_path):
+    """torchrun starts each worker in a session of its own: SIGKILL to its process group (a run past --run-timeout,
+    or one that outlived Ctrl-C's wait) left the workers running, holding their GPUs and the runner's pipe."""
+    (tmp_path / "logs").mkdir()
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os, time\n"
+                      "open(f'pid{os.environ[\"RANK\"]}', 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
+    run = sw.Run("tr", 1, 0, [], "tr", {"RUN_ID": "tr"}, cmd)
+    ex = sw.Executor(None, tmp_path, None, 1)
+    ex.start([[run]])
+    deadline = time.monotonic() + 60
+    try:
+        while not all((tmp_path / f"pid{r}").is_file() and (tmp_path / f"pid{r}").read_text() for r in (0, 1)):
+            assert time.monotonic() < deadline, "torchrun started no workers"
+            time.sleep(0.2)
+        workers = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+    finally:
+        ex.kill()
+    assert ex.wait(30)  # the pipe closed: no worker holds it
+    for pid in workers:
+        stat = Path(f"/proc/{pid}/stat")  # gone, or a zombie nobody reaped yet
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", pid
+
+
+def test_presets_layer_the_same_in_either_order(monkeypatch):
+    """The README said --preset sp1024,pqb-t and the sweep's help pqb-t,sp1024: left to right, they ran WARMDOWN_ITERS
+    750 and 3500. A settings preset (sp1024) goes under the run preset whatever the order named."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+    def plan(preset: str) -> list[dict]:
+        args = sw.parse_args(["--dry-run", "--name", "o", "--seeds", "1", "--preset", preset, "--variant", "a=",
+                              "--variant", "b=MATRIX_LR=0.03"])
+        return [r.settings for r in sw.build(args)[4]]
+    for run in ("pqb-t", "pqb", "timing"):
+        runs = plan(f"sp1024,{run}")
+        assert runs == plan(f"{run},sp1024")
+        want = sw.parse_assignments(sw.SP1024_STACK, "sp1024") | sw.parse_assignments(sw.PRESETS[run].settings, run)
+        assert runs[0].items() >= want.items()  # the run preset's settings over the stack's
+    assert plan("pqb-t,sp1024")[0]["WARMDOWN_ITERS"] == "750"
+    with pytest.raises(sw.SweepError, match="pqb and timing are both run presets"):
+        plan("pqb,sp1024,timing")
 
 
 def test_placement_fills_every_gpu_and_moves_every_variant():

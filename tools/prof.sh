@@ -3,7 +3,7 @@
 # of RUNS, one per line: "FILE [VAR=VALUE ...]" with FILE copied over train_gpt.py (- = the working
 # tree's; a FILE must have today's API: the bench calls init_runtime, Trainer and friends, so a version from
 # before the clean-house refactor (5a3e30b and older) fails); BENCH_ARGS: extra bench flags (e.g. --sync).
-# No late QAT (REFERENCE.md's timing rule), 3 warmup steps.
+# No late QAT (its steps cost more: time without it, as the reference was timed), 3 warmup steps.
 SHARDS=2 source tools/device_setup.sh
 export MAX_WALLCLOCK_SECONDS=0 WARMUP_STEPS=3 LATE_QAT_THRESHOLD=0 VAL_LOSS_EVERY=0 PROFILE_ROWS=${PROFILE_ROWS:-5}
 cp train_gpt.py /tmp/train_gpt.orig.py

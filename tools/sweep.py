@@ -6,8 +6,10 @@
     python3 tools/sweep.py ... --dry-run          # the command of each run and its GPU; no data, no GPU needed
 
 Settings are layered calling environment < preset < --base < --variant, each a string of `K=V` words (shell
-quoting allowed); every one goes through train_gpt.py's own strict parsing before the first run starts, so a
-typo stops the sweep at once, naming the setting. The runner sets RUN_ID (<sweep>_<variant>_s<seed>), SEED and
+quoting allowed). Presets join by commas in any order: a settings preset (sp1024) goes under the run preset (pqb,
+pqb-t or timing; at most one), so `sp1024,pqb-t` and `pqb-t,sp1024` are one run. Every setting goes through
+train_gpt.py's own strict parsing before the first run starts, so a typo stops the sweep at once, naming the
+setting. The runner sets RUN_ID (<sweep>_<variant>_s<seed>), SEED and
 ARTIFACT_PATH itself. SCRIPT=path in a variant runs that variant with another copy of train_gpt.py (a code
 change's before/after), its settings checked by that copy's parser. --export-only: the first variant trains and
 the others only export and score its final checkpoint again (RESUME), with their own export settings:
@@ -15,6 +17,9 @@ quantisers and coders compared on the same weights, at a fraction of a run's cos
 settings a training run of its variant would have (a key the first variant sets and an export variant leaves to
 the environment is set back to its default, else it would come from the checkpoint); one whose model settings
 (MODEL_SETTINGS, e.g. NUM_LAYERS) differ from the first variant's is refused before any run.
+Ctrl-C (or SIGTERM, SIGHUP) passes SIGINT to the running runs, which write logs/<RUN_ID>.ckpt at their next
+step and stop; the sweep waits up to 120 s for them (STOP_WAIT_S; a second Ctrl-C stops the wait), kills what still
+runs, and prints each run's last line and the command that resumes it (exit status 130).
 Runs start in the calling directory: logs/<RUN_ID>.txt (the script's log), logs/<RUN_ID>.out (everything the
 run printed), logs/<RUN_ID>.int6.ptz (its artifact), and at the end logs/<sweep>.json (the table, every run's
 numbers and where its wall time went). With no visible GPU the runs go one at a time on the CPU.
@@ -31,6 +36,7 @@ than the first variant's (records/package_record.py's test with margin 0). `±` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import importlib.util
@@ -59,16 +65,18 @@ class Preset:
     settings: str
     about: str
     train_shards: int | None = None  # train shards DATA_PATH must hold (None: any)
+    stack: bool = False  # settings only, no run length: layered under the run preset, whatever the order named
 
 
-# The proxy quality benchmark of ../shared/docs/REFERENCE.md with accumulation 1 (same math, faster), all 8
-# proxy train shards. COMPRESSOR=fast: xz took 36 s of each run, zstd-3 0.2 s (the coder is lossless; the
-# runner reports the default coder's size as bytes_auto, coded on the CPU while the GPU goes on).
+# The proxy quality benchmark (the reference's 1,500 steps of 131,072 tokens on one GPU, 8 proxy train shards:
+# records/PERFORMANCE.md, "Presets") with accumulation 1 (same math, faster). COMPRESSOR=fast: xz took 36 s of
+# each run, zstd-3 0.2 s (the coder is lossless; the runner reports the default coder's size as bytes_auto, coded
+# on the CPU while the GPU goes on).
 DEFAULT_CODER = "rans"  # train_gpt.py's COMPRESSOR default (and what "auto" picked before 2026-11-26)
 # TRAIN_LOG_EVERY=100 only adds points to the loss curves.
 PQB = ("TRAIN_BATCH_TOKENS=131072 WARMDOWN_ITERS=750 MUON_MOMENTUM_WARMUP_STEPS=400 VAL_LOSS_EVERY=0 "
        "EVAL_STRIDE=64 GRAD_ACCUM_STEPS=1 COMPRESSOR=fast TRAIN_LOG_EVERY=100")
-# Settings only (no run length): layered after a run preset, --preset pqb-t,sp1024. The tiny test configs use it too.
+# Settings only (no run length): layered under a run preset, --preset sp1024,pqb-t. The tiny test configs use it.
 SP1024_STACK = ("VOCAB_SIZE=1024 MLP_MULT=3 QK_GAIN_INIT=1.5 BIGRAM_VOCAB_SIZE=1536 VE_ENABLED=1 NUM_LOOPS=0 "
                 "DOC_ISOLATION=0 MATRIX_LR=0.025 SCALAR_LR=0.025 TIED_EMBED_LR=0.035 MUON_WD=0.04 ADAM_WD=0.04 "
                 "EMBED_WD=0.04 EMA_DECAY=0 LATE_QAT_THRESHOLD=0.15 WARMDOWN_ITERS=3500 INT6_SCALE_FLOOR=0.03225806451612903 "
@@ -80,12 +88,13 @@ PRESETS = {
     "pqb-t": Preset(f"{PQB} ITERATIONS=20000 MAX_WALLCLOCK_SECONDS=120", train_shards=8,
                     about="time-capped proxy benchmark: 120 s of training, wallclock warmdown; a slower step "
                           "gets fewer steps, as in the real run"),
-    "sp1024": Preset(SP1024_STACK, about="the sp1024 stack: our defaults until 2026-11-26, chosen on the 80M-token "
-                     "proxy (VOCAB_SIZE=1024: its data and tokenizer come from DATA_PATH and TOKENIZER_PATH)"),
+    "sp1024": Preset(SP1024_STACK, stack=True,
+                     about="the sp1024 stack: our defaults until 2026-11-26, chosen on the 80M-token proxy "
+                     "(VOCAB_SIZE=1024: its data and tokenizer come from DATA_PATH and TOKENIZER_PATH)"),
     "timing": Preset("ITERATIONS=40 VAL_LOSS_EVERY=0 MAX_WALLCLOCK_SECONDS=0 LATE_QAT_THRESHOLD=0 "
                      "TRAIN_LOG_EVERY=10 EVAL_STRIDE=2048 COMPRESSOR=fast",
-                     about="record config, 40 steps, no late QAT (REFERENCE.md's timing rule): read step_avg "
-                           "and peak memory"),
+                     about="record config, 40 steps, no late QAT (its steps cost more; the reference was timed "
+                           "without it too): read step_avg and peak memory"),
 }
 CALIBRATED_ON = "one H200 per run (nvidia-h200-x2, torch 2.11)"
 RUNNER_SETTINGS = ("RUN_ID", "SEED", "ARTIFACT_PATH")  # set per run by the runner, never by a variant
@@ -95,6 +104,9 @@ BPB_METRICS = (("post_ema", "post_ema_exact"), ("roundtrip", "final_int6_roundtr
 # wall-time phases of a run, each ending at the first (or last) line that starts with the marker
 PHASES = (("startup", "model_params:", "first"), ("warmup", "warmup_step:", "last"), ("train", "train_done", "first"),
           ("score_export", "Serialized model", "first"))
+# Ctrl-C: how long the runs get to reach their next step, write their checkpoints and end before they are killed
+# (a step takes under a second; writing a record-size checkpoint a few seconds; torchrun gives its workers 30 s)
+STOP_WAIT_S = 120.0
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 KEY_RE = re.compile(r"[A-Z][A-Z0-9_]*")
 
@@ -288,14 +300,37 @@ class Executor:
     def __init__(self, tg, cwd: Path, run_timeout: float | None, workers: int):
         self.tg, self.cwd, self.run_timeout = tg, cwd, run_timeout
         self.lock = threading.Lock()
-        self.procs: set[subprocess.Popen] = set()
+        self.procs: dict[subprocess.Popen, Run] = {}  # the running runs
         self.stopping = False
+        self.stopped: list[Run] = []  # the runs stop() interrupted
+        self.slots_running = 0
         self.coder = ThreadPoolExecutor(workers)  # the coders release the GIL: one core per pending artifact
         self.recoded: dict[str, Future] = {}  # run_id -> COMPRESSOR=rans size of its artifact
 
     def say(self, msg: str) -> None:
         with self.lock:
             print(msg, flush=True)
+
+    def start(self, slots: list[list[Run]]) -> None:
+        """One thread per slot, its runs in turn. wait() counts their ends, not Thread.is_alive: a join that Ctrl-C
+        interrupts marks its thread ended while it runs on (CPython 3.11)."""
+        self.slots_running = len(slots)
+        for runs in slots:
+            threading.Thread(target=self._slot, args=(runs,), daemon=True).start()
+
+    def _slot(self, runs: list[Run]) -> None:
+        try:
+            self.run_slot(runs)
+        finally:
+            with self.lock:
+                self.slots_running -= 1
+
+    def wait(self, seconds: float = float("inf")) -> bool:
+        """Until every slot has ended (True) or `seconds` have passed (False)."""
+        deadline = time.monotonic() + seconds
+        while self.slots_running and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return not self.slots_running
 
     def run_slot(self, runs: list[Run]) -> None:
         for run in runs:
@@ -304,6 +339,8 @@ class Executor:
                     return  # stopping
             except Exception:  # noqa: BLE001  (a broken run must not take the slot's later runs with it)
                 run.error, run.metrics = "runner error\n" + traceback.format_exc(), {}
+            if any(run is r for r in self.stopped):
+                return  # interrupted: main() says how to resume it
             self.say(finish_line(run))
 
     def execute(self, run: Run) -> bool:
@@ -317,7 +354,7 @@ class Executor:
                     return False
                 proc = subprocess.Popen(run.cmd, cwd=self.cwd, env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
-                self.procs.add(proc)
+                self.procs[proc] = run
             timer = threading.Timer(self.run_timeout, _kill, (proc,)) if self.run_timeout else None
             if timer:
                 timer.start()
@@ -335,7 +372,7 @@ class Executor:
             if timer:
                 timer.cancel()
         with self.lock:
-            self.procs.discard(proc)
+            self.procs.pop(proc)
         run.wall_s = time.monotonic() - t0
         run.phases_s = phase_times(marks, run.wall_s)
         collect(run, self.cwd, out_path, timed_out=bool(timer) and run.wall_s >= self.run_timeout)
@@ -355,11 +392,50 @@ class Executor:
                           file=sys.stderr)
 
     def stop(self) -> None:
+        """SIGINT to every running run (to torchrun, which passes it to its workers): train_gpt.py writes its
+        checkpoint at the next step and ends. No run starts after this."""
+        with self.lock:
+            self.stopping = True
+            for proc, run in self.procs.items():
+                self.stopped.append(run)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGINT)
+        self.coder.shutdown(wait=False, cancel_futures=True)
+
+    def kill(self) -> None:
         with self.lock:
             self.stopping = True
             for proc in self.procs:
                 _kill(proc)
-        self.coder.shutdown(wait=False, cancel_futures=True)
+
+
+def stop_runs(ex: Executor) -> None:
+    """Ctrl-C: SIGINT to the running runs, then wait up to STOP_WAIT_S for them to checkpoint and end (a second
+    Ctrl-C stops the wait); whatever still runs then is killed."""
+    try:
+        ex.stop()
+        print(f"sweep: interrupted: SIGINT to {len(ex.stopped)} running run(s), which write a checkpoint at their "
+              f"next step; waiting up to {STOP_WAIT_S:.0f} s for them (Ctrl-C again kills them)", file=sys.stderr,
+              flush=True)
+        ex.wait(STOP_WAIT_S)
+    except KeyboardInterrupt:
+        pass
+    ex.kill()
+    with contextlib.suppress(KeyboardInterrupt):
+        ex.wait(5)  # the slots close their runs' .out files and end
+
+
+def stopped_line(run: Run, cwd: Path) -> str:
+    """An interrupted run's own last word on it (train_gpt.py says what it left), and the command that resumes it."""
+    out = cwd / "logs" / f"{run.run_id}.out"
+    lines = [ln.strip() for ln in out.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    said = next((ln for ln in reversed(lines) if "interrupted by" in ln), lines[-1] if lines else "(no output)")
+    where = f"gpu:{','.join(run.gpus)}" if run.gpus else "cpu"
+    line = f"sweep: run {run.variant} seed:{run.seed} {where} stopped: {said}"
+    ckpt = Path("logs") / f"{run.run_id}.ckpt"
+    if (cwd / ckpt).is_file() and not (cwd / run.settings["ARTIFACT_PATH"]).exists():
+        line += f"\n  resume it: RESUME={ckpt} {shell_line(run)}"
+    return line
 
 
 def _interrupt(signum, frame) -> None:
@@ -367,10 +443,28 @@ def _interrupt(signum, frame) -> None:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too
-    except ProcessLookupError:
-        pass
+    """SIGKILL to the run's process group and every process under it: torchrun starts each worker in a session of
+    its own, so its group alone would leave the workers running (and holding their GPUs and our pipe)."""
+    below = _descendants(proc.pid)
+    for pid, kill in [(proc.pid, os.killpg)] + [(pid, os.kill) for pid in below]:
+        with contextlib.suppress(ProcessLookupError):
+            kill(pid, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes under pid, from /proc (none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (comm) state ppid ...", where comm may hold spaces and parentheses
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended meanwhile
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
 
 
 def phase_times(marks: dict[str, float], wall_s: float) -> dict[str, float]:
@@ -534,7 +628,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="presets: " + "; ".join(
         f"{k}: {p.settings}" for k, p in PRESETS.items()))
     ap.add_argument("--preset", default="", help="one of " + ", ".join(sorted(PRESETS)) + ", or several joined by "
-                    "commas, layered left to right (pqb-t,sp1024)")
+                    "commas in any order: settings presets (" + ", ".join(n for n, p in PRESETS.items() if p.stack)
+                    + ") go under the run preset (at most one): sp1024,pqb-t")
     ap.add_argument("--base", default="", help='settings for every variant, "K=V ..." (over the preset)')
     ap.add_argument("--variant", action="append", default=[], metavar='NAME="K=V ..."',
                     help='repeatable; NAME="" is the defaults; the first variant is the one the others are judged against')
@@ -557,6 +652,9 @@ def build(args: argparse.Namespace):
     names = [n for n in args.preset.split(",") if n]
     if unknown := [n for n in names if n not in PRESETS]:
         raise SweepError(f"--preset {unknown[0]!r}: not one of {', '.join(sorted(PRESETS))}")
+    if len(runs := [n for n in names if not PRESETS[n].stack]) > 1:
+        raise SweepError(f"--preset {args.preset}: {' and '.join(runs)} are both run presets: pick one")
+    names.sort(key=lambda n: not PRESETS[n].stack)  # stable: settings presets first, so the order named is irrelevant
     common: dict[str, str] = {}
     for n in names:
         common |= parse_assignments(PRESETS[n].settings, f"preset {n}")
@@ -630,24 +728,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logs.mkdir(exist_ok=True)
     ex = Executor(tg, Path.cwd(), args.run_timeout, len(slots))
-    threads = [threading.Thread(target=ex.run_slot, args=([r for r in runs if r.slot == i],), daemon=True)
-               for i in range(len(slots))]
     t0 = time.monotonic()
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # a killed sweep kills its runs (they run in their own sessions)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: the runs, in sessions of their own, get none of these
         signal.signal(sig, _interrupt)
     try:
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads):
-            for t in threads:
-                t.join(0.5)
+        ex.start([[r for r in runs if r.slot == i] for i in range(len(slots))])
+        ex.wait()
         ex.add_auto_sizes(runs)
     except KeyboardInterrupt:
-        ex.stop()
-        for t in threads:  # their runs are killed: they close their .out files and end
-            t.join(5)
-        print("sweep: interrupted; the running runs were killed", file=sys.stderr, flush=True)
+        stop_runs(ex)
+        for run in ex.stopped:
+            print(stopped_line(run, Path.cwd()), file=sys.stderr)
         sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(130)  # not sys.exit: that would wait for a coding job already under way (up to 40 s)
     rows = summarize(runs, list(variants))
     table = render_table(rows)
