@@ -58,6 +58,10 @@ DROPPED_PREFIXES = ("LAWA_", "MTP_")
 FOREIGN_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP_", "MASTER_", "LOCAL_", "GROUP_", "ROLE_",
                     "TRITON", "PYTHON", "HF_", "MKL", "KMP_", "GLOO", "NVIDIA", "CUBLAS", "CUDNN")
 GENERIC_WORDS = {"MAX", "NUM", "RUN", "DATA", "MODEL", "HEAD", "DEVICE", "LOCAL", "WORLD", "RANK"}
+# Other training scripts' names for our settings: set, they would be ignored without a word (no shared first word).
+OTHER_NAMES = {"LEARNING_RATE": "MATRIX_LR, SCALAR_LR, TIED_EMBED_LR", "LR": "MATRIX_LR, SCALAR_LR, TIED_EMBED_LR",
+               "BATCH_SIZE": "TRAIN_BATCH_TOKENS", "MAX_WALLCLOCK": "MAX_WALLCLOCK_SECONDS", "MAX_STEPS": "ITERATIONS",
+               "SEQ_LEN": "TRAIN_SEQ_LEN, EVAL_SEQ_LEN", "WEIGHT_DECAY": "MUON_WD, ADAM_WD, EMBED_WD"}
 # A zero head count or a negative learning rate is a typo, not a run.
 POSITIVE, NON_NEGATIVE, FRACTION = "> 0", ">= 0", "in [0, 1)"
 IN_RANGE = {POSITIVE: lambda v: v > 0, NON_NEGATIVE: lambda v: v >= 0, FRACTION: lambda v: 0 <= v < 1}
@@ -196,8 +200,8 @@ class Hyperparameters:
     train_log_every: int = S(500, "train_loss line every N steps (and the first 10)", NON_NEGATIVE)
     compressor: str = S("rans", "rans (context-modelled rANS, the smallest) | fast (zstd-3 for sweeps: 0.2 s)",
                         ("rans", "fast"))
-    int6_scale_floor: float = S(FP16_MIN_NORMAL, "floor on int6 row scales (1/31 coarsens tiny rows, compresses "
-                                "better)")
+    int6_scale_floor: float = S(FP16_MIN_NORMAL, "floor on int6 row scales (the default, fp16's smallest normal, "
+                                "floors no trained row; the sp1024 stack's 1/31 coarsens tiny rows)")
     matrix_clip_sigmas: float = S(12.85, "bank row scale = k * std(row) / 31 (SD clip); 0 = the clip search",
                                   NON_NEGATIVE)
     mlp_clip_sigmas: float = S(11.5, "SD clip k of the MLP matrices; 0 = MATRIX_CLIP_SIGMAS", NON_NEGATIVE)
@@ -284,6 +288,8 @@ class Hyperparameters:
                 warnings.append(f"setting {key} is not supported by this script and is ignored")
             elif key.startswith(FOREIGN_PREFIXES) or key in ("RANK", "WORLD_SIZE"):
                 continue
+            elif key in OTHER_NAMES:
+                raise ValueError(f"unknown setting {key}={raw!r}; this script's name for it: {OTHER_NAMES[key]}")
             elif key.upper() in by_env:
                 raise ValueError(f"setting {key}={raw!r} is not read: settings are upper case ({key.upper()})")
             elif key.split("_")[0] in heads or difflib.get_close_matches(key, list(by_env), n=1, cutoff=0.85):
@@ -550,6 +556,18 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
     return rt
 
 
+def check_same_on_ranks(env: dict[str, str]) -> None:
+    """Every rank's settings (our variables, RESUME included) must be rank 0's: one that differs would be replaced by
+    rank 0's without a word (the run's files) or train another model (GRAD_ACCUM_STEPS gave another score)."""
+    if _distributed():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, env)
+        for r, other in enumerate(every):
+            if diff := sorted(k for k in set(other) | set(every[0]) if other.get(k) != every[0].get(k)):
+                raise ValueError(f"rank {r}'s settings differ from rank 0's ({', '.join(diff)}): start every rank "
+                                 "with the same environment")
+
+
 def configure_inductor() -> None:
     """Inductor's mix-order reductions off unless TORCHINDUCTOR_MIX_ORDER_REDUCTION is set: single-stage they cost
     20 ms of a record step (torch 2.11, H200), multi-stage within +-2 ms, and their fusion asserts on the ungated
@@ -623,8 +641,8 @@ def now_ms(device: torch.device) -> float:
 
 def claim_outputs(cfg: Hyperparameters, rt: Runtime) -> Hyperparameters:
     """One run, one log, no output overwritten: rank 0 creates logs/<RUN_ID>.txt exclusively for the first free of
-    RUN_ID, RUN_ID_2, ... and tells the other ranks. An empty ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz; an existing
-    one, or a missing or read-only folder, is refused now, not after training."""
+    RUN_ID, RUN_ID_2, ... and tells the other ranks. An empty ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz; the artifact is
+    created empty too (claimed). An existing one, or a missing or read-only folder, is refused now, not after training."""
     def claim() -> Hyperparameters:
         logs, artifact = Path("logs"), Path(cfg.artifact_path)
         logs.mkdir(exist_ok=True)
@@ -633,14 +651,25 @@ def claim_outputs(cfg: Hyperparameters, rt: Runtime) -> Hyperparameters:
                 raise FileNotFoundError(f"{what} {folder} does not exist: create it, or set another ARTIFACT_PATH")
             if not os.access(folder, os.W_OK):
                 raise PermissionError(f"{what} {folder} is not writable")
-        if cfg.artifact_path and not cfg.eval_only and (artifact.exists() or artifact.suffix in (".txt", ".ckpt")):
-            raise FileExistsError(f"ARTIFACT_PATH {artifact} " + ("exists: a run never overwrites a file (move it, or "
-                                  "set another path)" if artifact.exists() else "is named like a log or checkpoint"))
+        create = lambda path: os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # or raise
+        if cfg.artifact_path and not cfg.eval_only:  # claimed as an empty file now: no other run can take it
+            if artifact.suffix in (".txt", ".ckpt") and not artifact.exists():
+                raise FileExistsError(f"ARTIFACT_PATH {artifact} is named like a log or checkpoint")
+            try:
+                create(artifact)
+            except FileExistsError:
+                raise FileExistsError(f"ARTIFACT_PATH {artifact} exists" + (" (empty: a running run's, or a killed "
+                                      "one's)" if artifact.stat().st_size == 0 else "") + ": a run never overwrites a "
+                                      "file (move it, or set another path)") from None
+        claimed = artifact.resolve() if cfg.artifact_path and not cfg.eval_only else None
         for n in itertools.count(1):
             run_id = cfg.run_id if n == 1 else f"{cfg.run_id}_{n}"
             with contextlib.suppress(FileExistsError):
-                if not any((logs / f"{run_id}{ext}").exists() for ext in (".ckpt", ".int6.ptz")):
-                    os.close(os.open(logs / f"{run_id}.txt", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+                if not any(p.exists() and p.resolve() != claimed for p in (logs / f"{run_id}.ckpt",
+                                                                            logs / f"{run_id}.int6.ptz")):
+                    create(logs / f"{run_id}.txt")
+                    if not (cfg.artifact_path or cfg.eval_only):
+                        create(logs / f"{run_id}.int6.ptz")
                     return replace(cfg, run_id=run_id,
                                    artifact_path=cfg.artifact_path or str(logs / f"{run_id}.int6.ptz"))
     out: list = [None]
@@ -660,13 +689,16 @@ class Logger:
     """Rank 0 only: `event key:value` lines to stdout and logs/<RUN_ID>.txt."""
 
     def __init__(self, run_id: str, enabled: bool):
-        self.enabled, self.path = enabled, Path("logs") / f"{run_id}.txt"  # claim_outputs created it
+        self.enabled, self.path, self.console = enabled, Path("logs") / f"{run_id}.txt", True  # claim_outputs made it
 
     def __call__(self, msg: str, console: bool = True) -> None:
         if not self.enabled:
             return
-        if console:
-            print(msg, flush=True)
+        if console and self.console:
+            try:
+                print(msg, flush=True)
+            except OSError:  # the terminal is gone (SIGHUP, a closed pipe): the log file keeps every line
+                self.console, sys.stdout = False, open(os.devnull, "w")
         try:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(msg + "\n")
@@ -674,8 +706,12 @@ class Logger:
             raise OSError(e.errno, f"{e.strerror} (writing {self.path})") from None
 
 
+# SIGHUP too: a closed terminal or ssh session (Logger then stops printing; the log file keeps every line)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM outside the training loop's own stop: in export, scoring or TTT, or a second signal."""
+    """One of STOP_SIGNALS outside the training loop's own stop: in export, scoring or TTT, or a second signal."""
 
     def __init__(self, signum: int, hint: str = ""):
         super().__init__(f"interrupted by {signal.Signals(signum).name}" + (f": {hint}" if hint else ""))
@@ -935,10 +971,35 @@ def check_tokenizer(sp, tokens: np.ndarray, where: str, docs: int = 50) -> None:
     (FineWeb's: all). Another tokenizer of the same vocabulary scored 3.18 instead of 3.42 bpb, exit 0, before."""
     starts = np.flatnonzero(np.asarray(tokens[:1 << 22]) == BOS_ID)[:docs + 1]
     ids = [np.asarray(tokens[a + 1:b]).tolist() for a, b in zip(starts, starts[1:])]
+    ids = [d for d in ids if max(d, default=0) < sp.get_piece_size()]  # ids out of range: open_shard's to report
     exact = sum(a == b for a, b in zip(ids, sp.encode(sp.decode(ids))))
     if exact < 0.9 * len(ids):
         raise ValueError(f"TOKENIZER_PATH re-encodes only {exact} of the first {len(ids)} documents of {where} into "
                          "their ids: it is not the tokenizer these shards were made with")
+
+
+def doc_keys(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each BOS-started document's start, end and a uint64 key of its length and first 4 tokens (0 past its end)."""
+    starts = np.flatnonzero(np.asarray(tokens) == BOS_ID)
+    ends = np.append(starts[1:], len(tokens)).astype(np.int64)
+    at = starts[:, None] + 1 + np.arange(4)
+    first = np.where(at < ends[:, None], np.asarray(tokens)[np.minimum(at, len(tokens) - 1)], 0).astype(np.uint64)
+    key = (ends - starts).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)  # wraps: a hash, not a number
+    for j in range(4):
+        key ^= first[:, j] << np.uint64(16 * j)
+    return starts, ends, key
+
+
+def val_docs_in(tokens: np.ndarray, val: np.ndarray, val_index: dict) -> tuple[set[int], int]:
+    """The validation documents that `tokens` holds, token for token, and their tokens there; `val_index`: key ->
+    the val documents' (start, end, number) (doc_keys)."""
+    found, n = set(), 0
+    starts, ends, keys = doc_keys(tokens)
+    for i in np.flatnonzero(np.isin(keys, np.fromiter(val_index, np.uint64, len(val_index)))):
+        a, b = starts[i], ends[i]
+        same = [j for c, d, j in val_index[keys[i]] if np.array_equal(tokens[a:b], val[c:d])]
+        found, n = found | set(same), n + (b - a) * bool(same)
+    return found, n
 
 
 class ShardError(ValueError):
@@ -961,12 +1022,26 @@ def shard_token_count(path: str | Path) -> int:
     return n
 
 
+def raw_shard(path: str | Path) -> np.ndarray:
+    """A shard's tokens, not range-checked (open_shard's check, met mid-run, keeps a checkpoint)."""
+    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(shard_token_count(path),))
+
+
 def open_shard(path: str | Path, vocab_size: int) -> np.ndarray:
-    tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(shard_token_count(path),))
+    tokens = raw_shard(path)
     top = int(tokens.max())
     if top >= vocab_size:
         raise ShardError(f"{path}: token id {top} >= VOCAB_SIZE {vocab_size}")
     return tokens
+
+
+def shards_fingerprint(files: list[str]) -> str:
+    """16 evenly spaced tokens of each shard, hashed: other data of the same shard sizes differs (RESUME
+    refuses it), a token fixed in place mostly does not."""
+    h = hashlib.sha256()
+    for tokens in map(raw_shard, files):
+        h.update(np.ascontiguousarray(tokens[np.linspace(0, len(tokens) - 1, 16).astype(np.int64)]).tobytes())
+    return h.hexdigest()[:16]
 
 
 def is_sample_shard(path: str | Path) -> bool:
@@ -992,16 +1067,23 @@ def val_byte_sidecar(data_path: str, n_tokens: int) -> Tensor | None:
     counts = np.concatenate([np.fromfile(f, "<u2", shard_token_count(f), offset=HEADER_BYTES) for f in files])
     if counts.size != n_tokens:
         raise ShardError(f"{data_path}: the byte sidecar holds {counts.size} values for {n_tokens} val tokens")
+    if not counts.any():
+        raise ShardError(f"{data_path}: the byte sidecar is all zeros (val_bpb would divide by 0): rebuild it")
     return torch.from_numpy(counts.astype(np.int64))
 
 
 def val_manifest(data_path: str) -> tuple[dict, str]:
-    """The val set's {"docs", "tokens"} as the data's manifest states them (DATA_PATH/manifest.json of
+    """The val set's {"docs", "tokens", "bytes"} as the data's manifest states them (DATA_PATH/manifest.json of
     data/make_caseops.py, or the challenge export's ../manifest.json entry of this folder), and its path."""
+    def read(path: Path) -> dict:
+        try:
+            return json.loads(path.read_text()) if path.is_file() else {}
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}): restore it or remove it") from None
     ours, export = Path(data_path) / "manifest.json", Path(data_path).parent / "manifest.json"
-    if ours.is_file() and isinstance(val := json.loads(ours.read_text()).get("val"), dict):
-        return {k: val.get(k) for k in ("docs", "tokens")}, str(ours)
-    for entry in json.loads(export.read_text()).get("datasets", []) if export.is_file() else []:
+    if isinstance(val := read(ours).get("val"), dict):
+        return {k: val.get(k) for k in ("docs", "tokens", "bytes")}, str(ours)
+    for entry in read(export).get("datasets", []):
         if Path(str(entry.get("path", ""))).name == Path(data_path).name:
             stats = entry.get("stats", {})
             return {"docs": stats.get("docs_val"), "tokens": stats.get("tokens_val")}, str(export)
@@ -1087,7 +1169,8 @@ class TrainLoader:
         sampler = CoprimeSampler if cfg.train_sampling == "coprime" else SequentialSampler
         self.sampler = sampler(files, cfg.vocab_size, cfg.train_seq_len)
         self.tokens = sum(map(shard_token_count, files))  # with the sampling, what a position is in (RESUME checks it)
-        self.data = f"TRAIN_SAMPLING={cfg.train_sampling} over {len(files)} shards of {self.tokens} tokens"
+        self.data = (f"TRAIN_SAMPLING={cfg.train_sampling} over {len(files)} shards of {self.tokens} tokens, sha256 "
+                     f"of 16 tokens each {shards_fingerprint(files)}")
         self.rt, self.seq_len, self.seqs_per_step = rt, cfg.train_seq_len, cfg.train_batch_tokens // cfg.train_seq_len
         self.seqs_per_micro = self.seqs_per_step // (rt.world_size * rt.grad_accum_steps)
         self.ahead = None  # (sampler state before it, x, y, copy-done event) of the prefetched step
@@ -2302,12 +2385,12 @@ def clip_sigmas(cfg: Hyperparameters, matrix: str) -> float:
 
 
 def quantize_matrix(w_RC: Tensor, sigmas: float, floor: float, h_CC: Tensor | None, qmax: int = INT6_MAX,
-                    quantiles: tuple[float, ...] = CLIP_QUANTILES) -> tuple[Tensor, Tensor]:
-    """A matrix as codes in -qmax..qmax and fp16 row scales: the scale by SD clip k (`sigmas`, the records' rule) or
-    the clip search over `quantiles` (0); the codes rounded, or GPTQ'd given its H."""
+                    quantiles: tuple[float, ...] = CLIP_QUANTILES, coarsen: float = 1.0) -> tuple[Tensor, Tensor]:
+    """A matrix as codes in -qmax..qmax and fp16 row scales: the scale by SD clip k (`sigmas`, the records' rule;
+    times `coarsen`) or the clip search over `quantiles` (0); the codes rounded, or GPTQ'd given its H."""
     if sigmas > 0:
         clip = sigmas * w_RC.std(dim=1)
-        scale = grid_scale(clip, qmax, floor)
+        scale = grid_scale(clip, qmax, floor) * coarsen
         codes = grid_codes(w_RC, clip, scale, qmax).to(torch.int8)
     else:
         codes, scale = quantize_rows(w_RC, qmax, quantiles, floor)
@@ -2356,23 +2439,27 @@ def storage(name: str, t: Tensor, banked: dict) -> str:
     return "q6" if name in banked else "q8" if t.numel() > KEEP_FLOAT_MAX_NUMEL and t.ndim == 2 else "f16"
 
 
-def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dict | None = None) -> dict[str, Tensor]:
+def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dict | None = None,
+                   grids: dict[str, float] | None = None, reuse: dict | None = None) -> dict[str, Tensor]:
     """The artifact's tensors: bank matrices int6 (`hessians`: GPTQ, the output head too), the big tables
-    EMBED_BITS, the rest fp16; LQER's factors for the LQER_TOP_K coded matrices of the largest error. On the CPU: the
-    same bytes from any device."""
-    out, errors, banked = {}, {}, bank_matrix_names(cfg.num_layers)
+    EMBED_BITS, the rest fp16; LQER's factors for the LQER_TOP_K coded matrices of the largest error. `grids`: grid
+    steps times these factors (coarser_grids), the other matrices' codes taken from `reuse`. On the CPU: the same
+    bytes from any device."""
+    out, errors, banked, grids = {}, {}, bank_matrix_names(cfg.num_layers), grids or {}
     for name, t in unbank(state, cfg.num_layers).items():
         t, kind = t.detach().float().cpu(), storage(name, t, banked)
-        if kind == "q6":
+        if reuse is not None and kind != "f16" and name not in grids:
+            out[name + "." + kind], out[name + ".scale"] = reuse[name + "." + kind], reuse[name + ".scale"]
+        elif kind == "q6":
             h = hessians[banked[name]].cpu() if hessians is not None else None
-            sigmas = clip_sigmas(cfg, banked[name][0])
-            out[name + ".q6"], out[name + ".scale"] = quantize_matrix(t, sigmas, cfg.int6_scale_floor, h)
+            out[name + ".q6"], out[name + ".scale"] = quantize_matrix(
+                t, clip_sigmas(cfg, banked[name][0]), cfg.int6_scale_floor, h, coarsen=grids.get(name, 1.0))
         elif kind == "q8":  # the output head (tok_emb when tied) GPTQ'd on the final hidden states' H
             qmax, k = 2 ** (cfg.embed_bits - 1) - 1, cfg.embed_clip_sigmas
             head = hessians is not None and name == ("tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight")
             out[name + ".q8"], out[name + ".scale"] = quantize_matrix(
                 t, k, FP16_MIN_NORMAL if k > 0 else 1 / qmax, hessians["head", 0].cpu() if head else None, qmax,
-                (INT8_CLIP_QUANTILE,))
+                (INT8_CLIP_QUANTILE,), grids.get(name, 1.0))
         else:
             out[name + ".f16"] = t.half()
         if kind != "f16" and cfg.lqer_enabled:
@@ -2382,18 +2469,54 @@ def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dic
     return out
 
 
-# What rANS spent per stored value on the PQB artifact (seed 1337, clip search; 14,797,155 B): 4.245 bits an int6
-# code, 7.200 an int8 code, 1.55 B per fp16 value or row scale (the side data). SD clip: bits by k measured on the
-# same weights (INT6_SCALE_FLOOR holds 49% of the rows at k = 5, 7% at 12.85); zstd-3 made the payload 8.1% larger.
-PREDICT_BITS, PREDICT_SIDE_BYTES = {"q6": 4.245, "q8": 7.200}, 1.55
-PREDICT_SD_BITS = ((5, 7, 9, 12.85, 16), (4.148, 3.890, 3.612, 3.142, 2.852))
+def code_errors(packed: dict[str, Tensor], state: dict[str, Tensor], cfg: Hyperparameters,
+                hessians: dict | None) -> dict[str, tuple[float, int]]:
+    """GPTQ's objective tr(E H E^T), E = Q - W, per code of each SD-clipped coded matrix, and its codes. With
+    calibration only the matrices that have an H (the banks and the head); without, H = I for every one."""
+    banked, out = bank_matrix_names(cfg.num_layers), {}
+    head = "tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight"
+    for name, w in unbank(state, cfg.num_layers).items():
+        kind = next((k for k in ("q6", "q8") if f"{name}.{k}" in packed), None)
+        hkey = banked.get(name) or (("head", 0) if name == head else None)
+        sigmas = clip_sigmas(cfg, banked[name][0]) if name in banked else cfg.embed_clip_sigmas
+        if kind is None or sigmas == 0 or (hessians is not None and hkey is None):
+            continue
+        e = packed[f"{name}.{kind}"].float() * packed[name + ".scale"].float()[:, None] - w.detach().float().cpu()
+        err = (e @ hessians[hkey].float().cpu() * e).sum() if hessians is not None else e.square().sum()
+        out[name] = (float(err) / e.numel(), e.numel())
+    return out
+
+
+MAX_GRID_LOG2 = 4
+
+
+def coarser_grids(errors: dict[str, tuple[float, int]], bits: float) -> dict[str, float]:
+    """Grid steps times f for about `bits` fewer bits: a code's bits fall by log2 f and its squared error grows by f^2,
+    so the cheapest bits come from the matrices of least error per code c (reverse water-filling): f = sqrt(L / c)
+    where c < L, the level L set so that sum codes * log2 f = bits; f at most 2^MAX_GRID_LOG2 (int6 codes in -2..2).
+    `errors`: code_errors'."""
+    step = lambda x, c: min(max(0.0, x - math.log2(c)) / 2, MAX_GRID_LOG2)  # log2 f at the level 2^x
+    saved = lambda x: sum(n * step(x, c) for c, n in errors.values())
+    lo = min(math.log2(c) for c, _ in errors.values())
+    hi = max(math.log2(c) for c, _ in errors.values()) + 2 * bits / sum(n for _, n in errors.values()) + 1
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if saved(mid) < bits else (lo, mid)
+    return {name: 2 ** step(hi, c) for name, (c, _) in errors.items() if math.log2(c) < hi}
+
+
+# What rANS spends, refitted on trained artifacts of the defaults (CaseOps proxy, 1,200 steps at the parity batch,
+# seeds 1337 / 42, session 31): an SD-clipped code costs what a Gaussian row's does on steps of k std / qmax,
+# log2(qmax sqrt(2 pi e) / k) (int6 at k = 13: 3.317 predicted, 3.305 coded; at 11.5: 3.478, 3.470; int7 at 14: 4.221,
+# 4.208), at least PREDICT_MIN_BITS; a clip-searched code PQB's (4.245 bits int6, 7.2 int8, a bit less per bit
+# dropped); 1.59 B per fp16 value or row scale (the side data, xz'd); zstd-3 made the payload 8.1% larger.
+PREDICT_BITS, PREDICT_SIDE_BYTES, PREDICT_MIN_BITS = {"q6": 4.245, "q8": 7.200}, 1.59, 0.5
 PREDICT_CODER = {"rans": 1.0, "fast": 1.081}
 
 
-def sd_clip_bits(k: float) -> float:
-    """An SD-clipped int6 code's predicted bits (0 at k = 0): the table, off it a bit per halving of k (a step)."""
-    lo, hi = PREDICT_SD_BITS[0][0], PREDICT_SD_BITS[0][-1]
-    return float(np.interp(k, *PREDICT_SD_BITS)) + math.log2(min(max(k, lo), hi) / k) if k > 0 else 0.0
+def sd_clip_bits(k: float, qmax: int = INT6_MAX) -> float:
+    """An SD-clipped code's predicted bits (0 at k = 0: no SD clip)."""
+    return max(math.log2(qmax * math.sqrt(2 * math.pi * math.e) / k), PREDICT_MIN_BITS) if k > 0 else 0.0
 
 
 def predict_artifact_bytes(cfg: Hyperparameters) -> int:
@@ -2401,7 +2524,7 @@ def predict_artifact_bytes(cfg: Hyperparameters) -> int:
     with torch.device("meta"):
         state = GPT(cfg).state_dict()
     banked, total = bank_matrix_names(cfg.num_layers), 0.0
-    q8_bits = PREDICT_BITS["q8"] - (8 - cfg.embed_bits)  # about a bit less per bit dropped
+    q8_bits = sd_clip_bits(cfg.embed_clip_sigmas, 2 ** (cfg.embed_bits - 1) - 1) or PREDICT_BITS["q8"] - (8 - cfg.embed_bits)
     for name, t in unbank(state, cfg.num_layers).items():
         kind = storage(name, t, banked)
         bits = (sd_clip_bits(clip_sigmas(cfg, banked[name][0])) or PREDICT_BITS["q6"]) if kind == "q6" else q8_bits
@@ -2681,9 +2804,9 @@ def decompress(blob: bytes) -> bytes:
         dec = _zstd().ZstdDecompressor().decompressobj()
         out = dec.decompress(blob[5:])
         if not dec.eof or dec.unused_data:  # one-shot APIs silently accept truncation / trailing junk
-            raise ValueError("artifact is corrupt or truncated: stream incomplete or followed by extra bytes")
+            raise EOFError("stream incomplete or followed by extra bytes")
         return out
-    except (lzma.LZMAError, EOFError, struct.error, IndexError) as e:
+    except (lzma.LZMAError, EOFError, struct.error, IndexError, ValueError) as e:  # ValueError: an odd length
         raise ValueError(f"artifact is corrupt or truncated: {e}") from None
     except Exception as e:
         if type(e).__name__ == "ZstdError":
@@ -2691,9 +2814,32 @@ def decompress(blob: bytes) -> bytes:
         raise
 
 
-def serialize(model: GPT, cfg: Hyperparameters, meta: dict, hessians: dict | None = None) -> tuple[bytes, str]:
-    """The artifact of a model (quantize_state, pack_tensors, compress): (its bytes, the coder that won)."""
-    return compress(pack_tensors(quantize_state(model.state_dict(), cfg, hessians), cfg, meta), cfg.compressor)
+FIT_TRIES = 4  # coarser_grids' bits are a high-resolution estimate: each try corrects it by what the last saved
+
+
+def serialize(model: GPT, cfg: Hyperparameters, meta: dict, hessians: dict | None = None,
+              budget: float = math.inf) -> tuple[bytes, str, dict | None]:
+    """The artifact of a model (quantize_state, pack_tensors, compress): (its bytes, the coder, the fit). Over
+    `budget` bytes, a rANS artifact is quantized again on coarser grids (coarser_grids) until it fits; the fit is
+    {"unfitted": the tensors before, "bytes": their artifact's size, "grids"}, else None. COMPRESSOR=fast: no fit."""
+    state = model.state_dict()
+    packed = quantize_state(state, cfg, hessians)
+    first, coder = compress(pack_tensors(packed, cfg, meta), cfg.compressor)
+    if len(first) <= budget or coder != "rans":
+        return first, coder, None
+    errors, need = code_errors(packed, state, cfg, hessians), 8 * (len(first) - budget)
+    if not errors:
+        raise ValueError(f"the artifact is {len(first)} bytes, over the {budget:.0f} left beside the code, and no "
+                         "matrix has an SD clip to coarsen (*_CLIP_SIGMAS=0, the clip search)")
+    bits = 1.02 * need
+    for _ in range(FIT_TRIES):
+        grids = coarser_grids(errors, bits)
+        blob = compress(pack_tensors(quantize_state(state, cfg, hessians, grids, packed), cfg, meta), "rans")[0]
+        if len(blob) <= budget:
+            return blob, coder, dict(unfitted=packed, bytes=len(first), grids=grids)
+        bits *= 1.02 * need / max(8 * (len(first) - len(blob)), 1)
+    raise ValueError(f"the artifact is {len(blob)} bytes after {FIT_TRIES} coarser grids, over the {budget:.0f} left "
+                     "beside the code")
 
 
 def deserialize(blob: bytes) -> tuple[dict, dict[str, Tensor]]:
@@ -2728,7 +2874,7 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def shipped_code(source: str) -> bytes:
-    """The train_gpt.py a record ships (code_bytes): a stub running this source from xz + base85 (137 KB -> 49 KB),
+    """The train_gpt.py a record ships (code_bytes): a stub running this source from xz + base85 (211 KB -> 74 KB),
     registered in linecache for @triton.jit. Self-contained: records/package_record.py takes it from a log."""
     import base64
     import lzma
@@ -2928,11 +3074,11 @@ class Trainer:
         start, last_ckpt = (step, train_ms), train_ms
         t0, t_prev = now_ms(rt.device), None  # t_prev: start of the previous iteration (clocked)
         last_line = t0
-        # SIGINT / SIGTERM: the loop writes a checkpoint at the next step's start and stops
+        # STOP_SIGNALS: the loop writes a checkpoint at the next step's start and stops
         def on_signal(signum: int, _) -> None:
             self.signal = signum
             signal.signal(signum, handlers[signum])  # a second one acts as it would without this loop
-        handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        handlers = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
 
         def clock(ms: float, **more) -> dict:  # where a checkpoint taken now resumes
             return dict(step=step, train_ms=ms, progress=progress, recent_ms=max(recent_ms[-10:], default=0.0), **more)
@@ -3112,6 +3258,32 @@ def log_score(log: Logger, key: str, s: Score, extra: str = "") -> None:
     log(f"{key}_exact val_loss:{s.loss:.8f} val_bpb:{s.bpb:.8f}")
 
 
+LEAK_LIMIT = 0.01  # of the val documents: more found in train shards stops the run (#2127 trained on 80%)
+
+
+def check_train_shards(cfg: Hyperparameters, rt: Runtime, log: Logger, sp, val: np.ndarray) -> None:
+    """Every train shard, each rank its share: made with this tokenizer, and holding no more than LEAK_LIMIT of the
+    validation documents (token for token; a few can be the web's own duplicates)."""
+    t0, files, index = time.perf_counter(), shard_files(cfg.data_path, "train"), {}
+    starts, ends, keys = doc_keys(val)
+    for j, (a, b, key) in enumerate(zip(starts, ends, keys)):
+        index.setdefault(key, []).append((a, b, j))
+    found = torch.zeros(len(starts) + 1, dtype=torch.int64)  # each val document's flag, then the tokens
+    for i, (f, tokens) in enumerate(zip(files, map(raw_shard, files))):  # every header on every rank
+        if i % rt.world_size == rt.rank:
+            check_tokenizer(sp, tokens, f)
+            docs, n = val_docs_in(tokens, val, index)
+            found[list(docs)], found[-1] = 1, found[-1] + n
+    found = found.to(rt.device)
+    all_reduce_sum_(found)
+    docs, tokens = int((found[:-1] > 0).sum()), int(found[-1])
+    log(f"train_shards_checked shards:{len(files)} val_docs_in_train:{docs}/{len(starts)} tokens:{tokens} "
+        f"time:{1000 * (time.perf_counter() - t0):.0f}ms")
+    if docs > LEAK_LIMIT * len(starts):
+        raise ValueError(f"{docs} of the {len(starts)} validation documents ({tokens} tokens) are also in the train "
+                         f"shards of {cfg.data_path}: rebuild them without (data/make_caseops.py, data/make_shards.py)")
+
+
 def validation_scorer(cfg: Hyperparameters, rt: Runtime, log: Logger, tokenizer: str) -> tuple[Scorer, bool]:
     """The val shards' scorer, once the tokenizer is shown to be theirs (and the train shards'), and whether they are
     the offline sample."""
@@ -3130,13 +3302,13 @@ def validation_scorer(cfg: Hyperparameters, rt: Runtime, log: Logger, tokenizer:
         raise ValueError("TOKENIZER_PATH is a CaseOps tokenizer, and DATA_PATH has no byte sidecar "
                          "(fineweb_val_bytes_*.bin, which data/make_caseops.py writes) to score the original text")
     counts, manifest = {"docs": int((val_tokens == BOS_ID).sum()), "tokens": val_tokens.numel()}, val_manifest(cfg.data_path)
-    for key, want in manifest[0].items():  # a partial validation set, or one that leaked into training
-        if want is not None and want != counts[key]:
+    counts["bytes"] = None if val_bytes is None else int(val_bytes.sum())  # the sidecar's sum: val_bpb's denominator
+    for key, want in manifest[0].items():  # a partial validation set, one that leaked into training, a bad sidecar
+        if want is not None and counts[key] is not None and want != counts[key]:
             raise ValueError(f"the val shards hold {counts[key]} {key}, {manifest[1]} says {want}")
     check_tokenizer(sp, val_tokens.numpy(), val_files[0])
     if not cfg.eval_only:
-        train_file = shard_files(cfg.data_path, "train")[0]
-        check_tokenizer(sp, open_shard(train_file, cfg.vocab_size), train_file)
+        check_train_shards(cfg, rt, log, sp, val_tokens.numpy())
     scorer = Scorer(cfg, rt, val_tokens, luts, log, val_bytes)
     log(f"val_tokens:{counts['tokens']} val_docs:{counts['docs']} scored_targets:{val_tokens.numel() - 1} "
         f"eval_batch_seqs:{scorer.batch_seqs} byte_rule:{scorer.byte_rule} manifest:{manifest[1] or 'none'}")
@@ -3193,23 +3365,33 @@ def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: 
     return model, hessians, train_ms, 0
 
 
-def export(cfg: Hyperparameters, rt: Runtime, log: Logger, model: GPT, hessians: dict | None, meta: dict) -> None:
-    """Rank 0 writes the artifact to ARTIFACT_PATH; every rank returns once it is on disk."""
+def export(cfg: Hyperparameters, rt: Runtime, log: Logger, model: GPT, hessians: dict | None, meta: dict,
+           code_bytes: int) -> dict | None:
+    """Rank 0 writes the artifact to ARTIFACT_PATH, a rANS one fitted to the size limit; every rank returns, once it
+    is on disk, the tensors before a fit (serialize) or None."""
+    out = [None]
     if rt.is_main:
         t0 = time.perf_counter()
-        blob, coder = serialize(model, cfg, meta, hessians)
+        blob, coder, fit = serialize(model, cfg, meta, hessians, SIZE_LIMIT_BYTES - code_bytes)
         write_atomic(Path(cfg.artifact_path), blob)
+        if fit:
+            g = fit["grids"].values()
+            log(f"size_fit bytes:{fit['bytes']}->{len(blob)} coarser_grids:{len(g)} x{min(g):.4f}..x{max(g):.4f} "
+                "(over the limit: least GPTQ error per code first; its cost is scored after the final scores)")
+            out[0] = fit["unfitted"]
         log(f"Serialized model int6+{coder}: {len(blob)} bytes export_time:{1000 * (time.perf_counter() - t0):.0f}ms")
     if _distributed():
-        dist.barrier()
+        dist.broadcast_object_list(out, src=0)
+    return out[0]
 
 
-def score_artifact(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer,
-                   tensors: dict[str, Tensor]) -> tuple[str, Score]:
+def score_artifact(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, tensors: dict[str, Tensor],
+                   unfitted: dict | None) -> tuple[str, Score]:
     """The artifact's scores on a model of its tensors alone: round trip, sliding window (per document too: lora
-    TTT's baseline), then TTT (it changes the weights). Returns the final score's key and the score."""
+    TTT's baseline), then TTT (it changes the weights); last, the round trip of the tensors before the size fit.
+    Returns the final score's key and the score."""
     model = artifact_model(cfg, rt, tensors)
-    log_score(log, "final_int6_roundtrip", scorer(model, cfg.eval_seq_len))
+    log_score(log, "final_int6_roundtrip", roundtrip := scorer(model, cfg.eval_seq_len))
     if cfg.sliding_eval_enabled:  # without it TTT's score is the only one at EVAL_STRIDE (as the records' TTT runs)
         score, key = scorer(model, cfg.eval_stride), "final_int6_sliding_window"
         log_score(log, key, score, f" stride:{cfg.eval_stride}")
@@ -3224,6 +3406,10 @@ def score_artifact(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Score
         if rt.device.type == "cuda":  # training's cached blocks included: what the whole run needs
             log(f"ttt_peak_memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
                 f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    if unfitted is not None:
+        unfit = scorer(artifact_model(cfg, rt, unfitted), cfg.eval_seq_len)
+        log(f"size_fit_cost roundtrip_val_bpb:{roundtrip.bpb - unfit.bpb:+.8f} (fitted {roundtrip.bpb:.8f}, "
+            f"unfitted {unfit.bpb:.8f})")
     return key, score
 
 
@@ -3249,19 +3435,22 @@ def main() -> int:
         cfg = fit_to_limit(cfg, explicit, len(shipped_code(code)))
     warnings += cfg.unread(explicit)
     rt = init_runtime(cfg)
+    check_same_on_ranks({k: v for k, v in os.environ.items() if k.lower() in SETTINGS})
     claimed = claim_outputs(cfg, rt)
     if claimed.run_id != cfg.run_id:
         warnings.append(f"RUN_ID {cfg.run_id} is taken in logs/: this run is RUN_ID={claimed.run_id}")
     cfg = claimed
     log = Logger(cfg.run_id, rt.is_main)
-    for s in (signal.SIGINT, signal.SIGTERM):  # the training loop stops at a step's end on the first one
+    for s in STOP_SIGNALS:  # the training loop stops at a step's end on the first one
         signal.signal(s, raise_interrupted)
     try:
         return run(cfg, rt, log, code, warnings, ckpt, stored, tokenizer)
     except BaseException as e:  # say how to finish from what is on disk
         artifact, trained = Path(cfg.eval_only or cfg.artifact_path), Path("logs") / f"{cfg.run_id}.ckpt"
-        resume = trained if trained.is_file() else cfg.resume
-        hint = (f"score the artifact with EVAL_ONLY={artifact}" if artifact.is_file() else
+        resume, written = trained if trained.is_file() else cfg.resume, artifact.is_file() and artifact.stat().st_size
+        if rt.is_main and not (written or cfg.eval_only):  # the claim, made empty, goes back
+            artifact.unlink(missing_ok=True)
+        hint = (f"score the artifact with EVAL_ONLY={artifact}" if written else
                 f"finish with RESUME={resume} (the same settings)" if resume else
                 "no checkpoint was written, the training is lost")
         if isinstance(e, KeyboardInterrupt):
@@ -3280,12 +3469,15 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     np.random.seed(cfg.seed)
     log_header(log, cfg, rt, warnings, code, code_bytes)
     scorer, sample = validation_scorer(cfg, rt, log, tokenizer)
-    train_ms = 0.0
+    train_ms, unfitted = 0.0, None
     if not cfg.eval_only:
         model, hessians, train_ms, stopped_by = train(cfg, rt, log, scorer, ckpt, tokenizer)
         if stopped_by:
+            if rt.is_main:  # nothing exported: the claim goes back
+                Path(cfg.artifact_path).unlink(missing_ok=True)
             return 128 + stopped_by  # the shell's convention for a process ended by a signal
-        export(cfg, rt, log, model, hessians, dict(tokenizer_sha256=tokenizer, byte_rule=scorer.byte_rule))
+        unfitted = export(cfg, rt, log, model, hessians, dict(tokenizer_sha256=tokenizer,
+                                                              byte_rule=scorer.byte_rule), code_bytes)
         del model
     artifact = Path(cfg.eval_only or cfg.artifact_path)
     header, tensors = stored or read_artifact(artifact)  # the file, not the model in memory, is what is scored
@@ -3293,7 +3485,7 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     log(f"code_bytes:{code_bytes}")
     log(f"Total submission size int6+{header['coder']}: {total} bytes limit:{SIZE_LIMIT_BYTES} "
         f"headroom:{SIZE_LIMIT_BYTES - total}")
-    key, score = score_artifact(cfg, rt, log, scorer, tensors)
+    key, score = score_artifact(cfg, rt, log, scorer, tensors, unfitted)
     trained, over = Path("logs") / f"{cfg.run_id}.ckpt", total > SIZE_LIMIT_BYTES
     if rt.is_main and not cfg.checkpoint_every and not over and trained.is_file():  # the artifact is written, scored
         trained.unlink()
@@ -3325,7 +3517,9 @@ def report_error(e: BaseException) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(ERROR_WAIT_SECONDS)
     what = (str(e) or "interrupted") if isinstance(e, KeyboardInterrupt) else error_text(e)
-    print(f"error{f' (rank {rank})' if rank else ''}: {what} (DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):  # a closed terminal (SIGHUP): the log has the line
+        print(f"error{f' (rank {rank})' if rank else ''}: {what} (DEBUG=1 shows the traceback)", file=sys.stderr,
+              flush=True)
     return 128 + getattr(e, "signum", signal.SIGINT) if isinstance(e, KeyboardInterrupt) else 1
 
 

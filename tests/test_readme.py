@@ -40,8 +40,8 @@ def settings_table() -> str:
             rows += ["", f"**{section}**", "", "| variable | default | meaning |", "|---|---|---|"]
         default = f.default
         shown = int(default) if isinstance(default, bool) else default
-        if f.name == "int6_scale_floor":
-            shown = "1/31"
+        if default == tg.FP16_MIN_NORMAL:
+            shown = "2^-14"
         on, meaning = f.metadata["on"], f.metadata["meaning"]
         if "=" in on:
             meaning = f"{on.split('=')[0].upper()}={on.split('=')[1]}: {meaning}"
@@ -77,9 +77,12 @@ def test_ci_runs_exactly_the_readme_quickstart_commands():
     of its own (an install added to CI only would make CI green where the README's commands fail)."""
     cmds = quickstart_commands()
     install, test = cmds
-    assert install.startswith("python3 -m pip install torch==2.13.0 -r requirements.txt pytest ")
-    assert "triton==3.9.0" in install.split("&&")[0]  # the kernel tests run in Triton's CPU interpreter
-    assert "pytest-xdist" in install.split("&&")[0]  # -n 2: the tests in two processes
+    torch_cpu, deps = install.split(" && ")[:2]  # the CPU build first: PyPI's torch is a multi-GB CUDA build
+    assert torch_cpu.startswith("python3 -m pip install ") and "torch==2.13.0+cpu" in torch_cpu.split()
+    assert "--index-url https://download.pytorch.org/whl/cpu" in torch_cpu
+    assert deps.startswith("python3 -m pip install -r requirements.txt pytest ")
+    assert "triton==3.9.0" in deps.split()  # the kernel tests run in Triton's CPU interpreter
+    assert "pytest-xdist" in deps.split()  # -n 2: the tests in two processes
     assert test == "python3 -m pytest -q -rs -n 2 --dist worksteal tests"  # -rs: every skip shows its reason
     printed = subprocess.run(["bash", str(ROOT / ".ci" / "run"), "--print"], capture_output=True, text=True,
                              timeout=60, check=True).stdout.splitlines()
