@@ -641,8 +641,8 @@ def now_ms(device: torch.device) -> float:
 
 def claim_outputs(cfg: Hyperparameters, rt: Runtime) -> Hyperparameters:
     """One run, one log, no output overwritten: rank 0 creates logs/<RUN_ID>.txt exclusively for the first free of
-    RUN_ID, RUN_ID_2, ... and tells the other ranks. An empty ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz; the artifact is
-    created empty too (claimed). An existing one, or a missing or read-only folder, is refused now, not after training."""
+    RUN_ID, RUN_ID_2, ... and tells the other ranks. An empty ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz; the
+    artifact is created empty too (claimed). An existing one, or a missing or read-only folder, is refused now."""
     def claim() -> Hyperparameters:
         logs, artifact = Path("logs"), Path(cfg.artifact_path)
         logs.mkdir(exist_ok=True)
@@ -2487,7 +2487,7 @@ def code_errors(packed: dict[str, Tensor], state: dict[str, Tensor], cfg: Hyperp
     return out
 
 
-MAX_GRID_LOG2 = 4
+FIT_TRIES, MAX_GRID_LOG2 = 4, 4  # serialize's tries (each corrects the bits by what the last saved); f <= 16
 
 
 def coarser_grids(errors: dict[str, tuple[float, int]], bits: float) -> dict[str, float]:
@@ -2497,8 +2497,8 @@ def coarser_grids(errors: dict[str, tuple[float, int]], bits: float) -> dict[str
     `errors`: code_errors'."""
     step = lambda x, c: min(max(0.0, x - math.log2(c)) / 2, MAX_GRID_LOG2)  # log2 f at the level 2^x
     saved = lambda x: sum(n * step(x, c) for c, n in errors.values())
-    lo = min(math.log2(c) for c, _ in errors.values())
-    hi = max(math.log2(c) for c, _ in errors.values()) + 2 * bits / sum(n for _, n in errors.values()) + 1
+    logs = [math.log2(c) for c, _ in errors.values()]
+    lo, hi = min(logs), max(logs) + 2 * bits / sum(n for _, n in errors.values()) + 1  # saved(hi) >= bits, or capped
     for _ in range(60):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if saved(mid) < bits else (lo, mid)
@@ -2524,7 +2524,8 @@ def predict_artifact_bytes(cfg: Hyperparameters) -> int:
     with torch.device("meta"):
         state = GPT(cfg).state_dict()
     banked, total = bank_matrix_names(cfg.num_layers), 0.0
-    q8_bits = sd_clip_bits(cfg.embed_clip_sigmas, 2 ** (cfg.embed_bits - 1) - 1) or PREDICT_BITS["q8"] - (8 - cfg.embed_bits)
+    q8_bits = sd_clip_bits(cfg.embed_clip_sigmas, 2 ** (cfg.embed_bits - 1) - 1) or \
+        PREDICT_BITS["q8"] - (8 - cfg.embed_bits)  # clip-searched: about a bit less per bit dropped
     for name, t in unbank(state, cfg.num_layers).items():
         kind = storage(name, t, banked)
         bits = (sd_clip_bits(clip_sigmas(cfg, banked[name][0])) or PREDICT_BITS["q6"]) if kind == "q6" else q8_bits
@@ -2812,9 +2813,6 @@ def decompress(blob: bytes) -> bytes:
         if type(e).__name__ == "ZstdError":
             raise ValueError(f"artifact is corrupt or truncated: {e}") from None
         raise
-
-
-FIT_TRIES = 4  # coarser_grids' bits are a high-resolution estimate: each try corrects it by what the last saved
 
 
 def serialize(model: GPT, cfg: Hyperparameters, meta: dict, hessians: dict | None = None,
