@@ -217,7 +217,7 @@ class Hyperparameters:
     gptq_calibration_batches: int = S(16, "GPTQ's X^T X from this many train micro-batches per rank (0 = off)",
                                       NON_NEGATIVE)
     # 16 batches took 1.9 s at 65,536-token micro-batches (one H200; the record's 2.3 s there, 3.5-3.6 s in later
-    # records' 8xH100 logs at 98,304): about 3 s, and 1.5 s of margin (FRONTIER_AFTER_0427.md section 8's safe setting)
+    # records' 8xH100 logs at 98,304): about 3 s, and 1.5 s of margin (the later records' safe setting)
     gptq_reserve_seconds: float = S(4.5, "training stops this much before the wallclock cap, for the calibration",
                                     NON_NEGATIVE, on="gptq_calibration_batches")
     auto_size: float = S(0.0, "MLP width (or bigram table, MLP_MULT set) filling this fraction of the limit (0 = off)",
@@ -564,6 +564,8 @@ def check_same_on_ranks(env: dict[str, str]) -> None:
         dist.all_gather_object(every, env)
         for r, other in enumerate(every):
             if diff := sorted(k for k in set(other) | set(every[0]) if other.get(k) != every[0].get(k)):
+                dist.barrier()  # every rank stops here: gloo torn down under a peer aborted rank 0 (SIGABRT)
+                dist.destroy_process_group()
                 raise ValueError(f"rank {r}'s settings differ from rank 0's ({', '.join(diff)}): start every rank "
                                  "with the same environment")
 

@@ -1,4 +1,4 @@
-"""Config: Hyperparameters from the environment against REFERENCE.md's names and defaults, strict parsing,
+"""Config: Hyperparameters from the environment against the reference script's names and defaults, strict parsing,
 refusals that name the variable."""
 from __future__ import annotations
 
