@@ -32,7 +32,7 @@ _sweep = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = _sweep
 _spec.loader.exec_module(_sweep)
 # The settings the tests run on unless they name others: the sp1024 stack (tools/sweep.py's preset, our defaults
-# until 2026-11-26), which the tests were written for; test_defaults.py runs the record-stack defaults.
+# until 2026-11-26), which the tests were written for; test_record_stack.py runs the record-stack defaults.
 STACK = dict(word.split("=", 1) for word in _sweep.SP1024_STACK.split())
 TINY_VOCAB = 512
 # The tiny config of the unit tests (d=32, L=2, V=512, T=32): banks qo (4,32,32), kv (4,16,32), mlp_up (2,96,32),
@@ -142,11 +142,12 @@ def _script_command(env: dict[str, str], nproc: int, script: Path = SCRIPT) -> t
 
 
 def run_script(env: dict[str, str], cwd: Path, nproc: int = 1, timeout: int = 300,
-               script: Path = SCRIPT) -> subprocess.CompletedProcess:
-    """Run train_gpt.py (or another copy) as a user would (torchrun for nproc > 1) in `cwd`; logs in cwd/logs."""
+               script: Path = SCRIPT, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run train_gpt.py (or another script, with `args`) as a user would (torchrun for nproc > 1) in `cwd`; logs in
+    cwd/logs."""
     cmd, full = _script_command(env, nproc, script)
     cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(cmd, env=full, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd + list(args), env=full, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def run_script_interrupted(env: dict[str, str], cwd: Path, after: str, sig: int, timeout: int = 300) -> tuple:

@@ -18,6 +18,7 @@ from conftest import make_scorer, perturbed_model, run_script, sample_text, tiny
 import train_gpt as tg
 
 CPU = torch.device("cpu")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def stream_and_sidecar(n_docs: int = 12, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +52,7 @@ def test_every_scorer_counts_the_sidecars_bytes(stride):
     s = scorer(model, stride)
     nll, n, total = brute_force(model, tokens, nbytes, cfg.eval_seq_len)
     assert (s.tokens, s.bytes, scorer.byte_rule) == (n, total, "sidecar")
-    if stride == cfg.eval_seq_len:
+    if stride == cfg.eval_seq_len:  # batches of 3 windows against one at a time: fp32 NLLs (~6) a few ulps apart
         assert s.loss == pytest.approx(nll / n, rel=1e-6)
         assert s.bpb == pytest.approx(nll / n / math.log(2) * n / total, rel=1e-6)
     assert scorer(model, stride, per_doc=True).bytes == total

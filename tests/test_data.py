@@ -236,4 +236,5 @@ def test_coprime_loader_is_split_independent_and_restorable(small_shards, world,
     if want is not None:
         assert _gathered_step([fresh]) == want
     assert state == {"k": 7 * batch // T, "data": f"TRAIN_SAMPLING=coprime over {len(files)} shards of "
-                                                 f"{sum(map(tg.shard_token_count, files))} tokens"}
+                                                 f"{sum(map(tg.shard_token_count, files))} tokens, sha256 of 16 "
+                                                 f"tokens each {tg.shards_fingerprint(files)}"}

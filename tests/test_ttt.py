@@ -253,8 +253,9 @@ def _loaded(cfg, state) -> tg.GPT:
 ])
 @pytest.mark.parametrize("iso", [False, True])
 def test_epochs_zero_is_plain_scoring_and_every_target_scored_once(monkeypatch, n_targets, chunk, stride, iso):
-    """Loss/bpb 1e-12 relative (the float64 sums are grouped per chunk instead of per batch), tokens and
-    bytes exact, weights exactly unchanged. Coverage from the windows each chunk really scored. With
+    """Loss/bpb 1e-9 relative (the windows are batched per chunk instead of over the whole stream: float64 model,
+    so only the fp32 cross entropy can round a logit to the other side, ~1e-6 of one NLL in a sum of hundreds),
+    tokens and bytes exact, weights exactly unchanged. Coverage from the windows each chunk really scored. With
     DOC_ISOLATION the windows are each document's own (issue 23: the TTT score with no updates equals the
     sliding-window score with the same isolation)."""
     cfg = ttt_cfg(ttt_chunk_tokens=chunk, eval_stride=stride, ttt_epochs=0, doc_isolation=iso)
@@ -262,7 +263,7 @@ def test_epochs_zero_is_plain_scoring_and_every_target_scored_once(monkeypatch, 
     if iso:  # documents of 1 to 70 tokens
         bos = torch.tensor([0, 3, 4, 60, 130, 140, 141, 200, 270, 300])
         tokens[bos[bos <= n_targets]] = tg.BOS_ID
-    model = random_model(cfg, seed=7)
+    model = random_model(cfg, seed=7).double()
     before = snapshot(model)
     plain = make_scorer(cfg, tokens, luts, batch_seqs=3)(model, stride)
     rec = WindowRecorder(monkeypatch)
@@ -271,7 +272,7 @@ def test_epochs_zero_is_plain_scoring_and_every_target_scored_once(monkeypatch, 
     assert len(snaps) == len(rec.calls) == n_chunks
     assert all(torch.equal(v, before[n]) for n, v in snapshot(model).items())
     assert (score.tokens, score.bytes) == (plain.tokens, plain.bytes) and score.tokens == n_targets
-    assert score.loss == pytest.approx(plain.loss, rel=1e-12) and score.bpb == pytest.approx(plain.bpb, rel=1e-12)
+    assert score.loss == pytest.approx(plain.loss, rel=1e-9) and score.bpb == pytest.approx(plain.bpb, rel=1e-9)
     covered = np.zeros(n_targets, np.int64)
     for k, (wins, _, _) in enumerate(rec.calls):
         for start, lo, end in wins.tolist():
