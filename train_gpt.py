@@ -58,7 +58,7 @@ DROPPED_PREFIXES = ("LAWA_", "MTP_")
 FOREIGN_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP_", "MASTER_", "LOCAL_", "GROUP_", "ROLE_",
                     "TRITON", "PYTHON", "HF_", "MKL", "KMP_", "GLOO", "NVIDIA", "CUBLAS", "CUDNN")
 GENERIC_WORDS = {"MAX", "NUM", "RUN", "DATA", "MODEL", "HEAD", "DEVICE", "LOCAL", "WORLD", "RANK"}
-# Other training scripts' names for our settings: set, they would be ignored without a word (no shared first word).
+# Other scripts' names for our settings (no first word in common: ignored without a word before).
 OTHER_NAMES = {"LEARNING_RATE": "MATRIX_LR, SCALAR_LR, TIED_EMBED_LR", "LR": "MATRIX_LR, SCALAR_LR, TIED_EMBED_LR",
                "BATCH_SIZE": "TRAIN_BATCH_TOKENS", "MAX_WALLCLOCK": "MAX_WALLCLOCK_SECONDS", "MAX_STEPS": "ITERATIONS",
                "SEQ_LEN": "TRAIN_SEQ_LEN, EVAL_SEQ_LEN", "WEIGHT_DECAY": "MUON_WD, ADAM_WD, EMBED_WD"}
@@ -557,14 +557,14 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
 
 
 def check_same_on_ranks(env: dict[str, str]) -> None:
-    """Every rank's settings (our variables, RESUME included) must be rank 0's: one that differs would be replaced by
-    rank 0's without a word (the run's files) or train another model (GRAD_ACCUM_STEPS gave another score)."""
+    """Every rank's settings (RESUME too) must be rank 0's: one that differed was replaced by rank 0's without a
+    word, or trained another model (GRAD_ACCUM_STEPS)."""
     if _distributed():
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, env)
         for r, other in enumerate(every):
             if diff := sorted(k for k in set(other) | set(every[0]) if other.get(k) != every[0].get(k)):
-                dist.barrier()  # every rank stops here: gloo torn down under a peer aborted rank 0 (SIGABRT)
+                dist.barrier()  # all stop here: gloo torn down under a peer aborted rank 0
                 dist.destroy_process_group()
                 raise ValueError(f"rank {r}'s settings differ from rank 0's ({', '.join(diff)}): start every rank "
                                  "with the same environment")
@@ -708,7 +708,7 @@ class Logger:
             raise OSError(e.errno, f"{e.strerror} (writing {self.path})") from None
 
 
-# SIGHUP too: a closed terminal or ssh session (Logger then stops printing; the log file keeps every line)
+# SIGHUP: a closed terminal or ssh session
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -1025,7 +1025,7 @@ def shard_token_count(path: str | Path) -> int:
 
 
 def raw_shard(path: str | Path) -> np.ndarray:
-    """A shard's tokens, not range-checked (open_shard's check, met mid-run, keeps a checkpoint)."""
+    """A shard's tokens, not range-checked (open_shard's check)."""
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(shard_token_count(path),))
 
 
@@ -1038,8 +1038,8 @@ def open_shard(path: str | Path, vocab_size: int) -> np.ndarray:
 
 
 def shards_fingerprint(files: list[str]) -> str:
-    """16 evenly spaced tokens of each shard, hashed: other data of the same shard sizes differs (RESUME
-    refuses it), a token fixed in place mostly does not."""
+    """16 evenly spaced tokens of each shard, hashed: other data of the same sizes differs, a token fixed in place
+    mostly does not."""
     h = hashlib.sha256()
     for tokens in map(raw_shard, files):
         h.update(np.ascontiguousarray(tokens[np.linspace(0, len(tokens) - 1, 16).astype(np.int64)]).tobytes())
@@ -2473,8 +2473,8 @@ def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dic
 
 def code_errors(packed: dict[str, Tensor], state: dict[str, Tensor], cfg: Hyperparameters,
                 hessians: dict | None) -> dict[str, tuple[float, int]]:
-    """GPTQ's objective tr(E H E^T), E = Q - W, per code of each SD-clipped coded matrix, and its codes. With
-    calibration only the matrices that have an H (the banks and the head); without, H = I for every one."""
+    """GPTQ's objective tr(E H E^T), E = Q - W, per code of each SD-clipped coded matrix that has an H (H = I for
+    all without calibration), and its codes."""
     banked, out = bank_matrix_names(cfg.num_layers), {}
     head = "tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight"
     for name, w in unbank(state, cfg.num_layers).items():
@@ -2493,10 +2493,9 @@ FIT_TRIES, MAX_GRID_LOG2 = 4, 4  # serialize's tries (each corrects the bits by 
 
 
 def coarser_grids(errors: dict[str, tuple[float, int]], bits: float) -> dict[str, float]:
-    """Grid steps times f for about `bits` fewer bits: a code's bits fall by log2 f and its squared error grows by f^2,
-    so the cheapest bits come from the matrices of least error per code c (reverse water-filling): f = sqrt(L / c)
-    where c < L, the level L set so that sum codes * log2 f = bits; f at most 2^MAX_GRID_LOG2 (int6 codes in -2..2).
-    `errors`: code_errors'."""
+    """Grid steps times f for about `bits` fewer bits: a code's bits fall by log2 f, its squared error grows f^2, so
+    the cheapest bits are the matrices' of least error per code c (reverse water-filling): f = sqrt(L / c) where
+    c < L, the level L set so that sum codes * log2 f = bits. `errors`: code_errors'."""
     step = lambda x, c: min(max(0.0, x - math.log2(c)) / 2, MAX_GRID_LOG2)  # log2 f at the level 2^x
     saved = lambda x: sum(n * step(x, c) for c, n in errors.values())
     logs = [math.log2(c) for c, _ in errors.values()]
@@ -2507,11 +2506,8 @@ def coarser_grids(errors: dict[str, tuple[float, int]], bits: float) -> dict[str
     return {name: 2 ** step(hi, c) for name, (c, _) in errors.items() if math.log2(c) < hi}
 
 
-# What rANS spends, refitted on trained artifacts of the defaults (CaseOps proxy, 1,200 steps at the parity batch,
-# seeds 1337 / 42, session 31): an SD-clipped code costs what a Gaussian row's does on steps of k std / qmax,
-# log2(qmax sqrt(2 pi e) / k) (int6 at k = 13: 3.317 predicted, 3.305 coded; at 11.5: 3.478, 3.470; int7 at 14: 4.221,
-# 4.208), at least PREDICT_MIN_BITS; a clip-searched code PQB's (4.245 bits int6, 7.2 int8, a bit less per bit
-# dropped); 1.59 B per fp16 value or row scale (the side data, xz'd); zstd-3 made the payload 8.1% larger.
+# rANS's bits a code: SD-clipped, a Gaussian row's on steps of k std / qmax (0.07-0.12% under the defaults' trained
+# artifacts, records/PERFORMANCE.md session 31); clip-searched, PQB's; 1.59 B a fp16 value; zstd-3 8.1% larger.
 PREDICT_BITS, PREDICT_SIDE_BYTES, PREDICT_MIN_BITS = {"q6": 4.245, "q8": 7.200}, 1.59, 0.5
 PREDICT_CODER = {"rans": 1.0, "fast": 1.081}
 
@@ -2820,8 +2816,8 @@ def decompress(blob: bytes) -> bytes:
 def serialize(model: GPT, cfg: Hyperparameters, meta: dict, hessians: dict | None = None,
               budget: float = math.inf) -> tuple[bytes, str, dict | None]:
     """The artifact of a model (quantize_state, pack_tensors, compress): (its bytes, the coder, the fit). Over
-    `budget` bytes, a rANS artifact is quantized again on coarser grids (coarser_grids) until it fits; the fit is
-    {"unfitted": the tensors before, "bytes": their artifact's size, "grids"}, else None. COMPRESSOR=fast: no fit."""
+    `budget` bytes, rANS's is quantized again on coarser_grids until it fits: the fit is {"unfitted": the tensors
+    before, "bytes": their artifact's size, "grids"}, else None."""
     state = model.state_dict()
     packed = quantize_state(state, cfg, hessians)
     first, coder = compress(pack_tensors(packed, cfg, meta), cfg.compressor)
@@ -3262,8 +3258,8 @@ LEAK_LIMIT = 0.01  # of the val documents: more found in train shards stops the 
 
 
 def check_train_shards(cfg: Hyperparameters, rt: Runtime, log: Logger, sp, val: np.ndarray) -> None:
-    """Every train shard, each rank its share: made with this tokenizer, and holding no more than LEAK_LIMIT of the
-    validation documents (token for token; a few can be the web's own duplicates)."""
+    """Every train shard, each rank its share: made with this tokenizer, holding at most LEAK_LIMIT of the val
+    documents (token for token; the web has duplicates)."""
     t0, files, index = time.perf_counter(), shard_files(cfg.data_path, "train"), {}
     starts, ends, keys = doc_keys(val)
     for j, (a, b, key) in enumerate(zip(starts, ends, keys)):
