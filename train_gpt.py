@@ -33,7 +33,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -68,211 +68,211 @@ IN_RANGE = {POSITIVE: lambda v: v > 0, NON_NEGATIVE: lambda v: v >= 0, FRACTION:
 FP16_MIN_NORMAL = 2.0 ** -14  # the smallest scale an fp16 row scale holds without losing precision to 0
 
 
-def S(default, meaning: str, allowed: str | tuple = "", model: bool = False, on: str = ""):
-    """A setting: its default, meaning (README's table), allowed values (a range, an inclusive (lo, hi) or a string's
-    choices), whether it defines the model (stored in every artifact), and `on`: the setting of its feature
-    ("ttt_mode=sgd": of a mode), with which off it is reported as ignored."""
+def setting(default, meaning: str, allowed: str | tuple | Callable = "", model: bool = False, on: str = ""):
+    """A setting: its default, meaning (README's table), allowed values (a range, an inclusive (lo, hi), a string's
+    choices, or a function giving them: a table below), whether it defines the model (stored in every artifact), and
+    `on`: the setting of its feature ("ttt_mode=sgd": of a mode), with which off it is reported as ignored."""
     return field(default=default, metadata=dict(meaning=meaning, allowed=allowed, model=model, on=on))
 
 
 @dataclass(frozen=True)
 class Hyperparameters:
     # --- run / data
-    data_path: str = S("./data/datasets/fineweb10B_sp8192_lossless_caps_caseops_v1_reserved", "folder of "
+    data_path: str = setting("./data/datasets/fineweb10B_sp8192_lossless_caps_caseops_v1_reserved", "folder of "
                        "fineweb_{train,val}_*.bin shards (and fineweb_val_bytes_*.bin: each val token's bytes)")
-    tokenizer_path: str = S("./data/tokenizers/fineweb_8192_bpe_lossless_caps_caseops_v1_reserved.model",
+    tokenizer_path: str = setting("./data/tokenizers/fineweb_8192_bpe_lossless_caps_caseops_v1_reserved.model",
                             "SentencePiece model (val_bpb's bytes too, without fineweb_val_bytes_*.bin)")
-    run_id: str = S("", "log logs/<RUN_ID>.txt (letters, digits, -_.); empty = random; a taken one gets a suffix")
-    seed: int = S(1337, "torch/numpy seed: init and nothing else (data order is fixed)", (0, 2 ** 32 - 1))
-    vocab_size: int = S(8192, "must equal the tokenizer's vocabulary (shards store uint16 ids)", (1, 65536), True)
-    device: str = S("auto", "auto = cuda if available, else cpu", ("auto", "cuda", "cpu"))
-    eval_only: str = S("", "path of an existing artifact: skip training, score it (the model settings are its own)")
-    artifact_path: str = S("", "where the artifact is written (its folder must exist); empty = logs/<RUN_ID>.int6.ptz")
-    checkpoint_every: float = S(0.0, "seconds of training between checkpoints logs/<RUN_ID>.ckpt (0 = off)",
+    run_id: str = setting("", "log logs/<RUN_ID>.txt (letters, digits, -_.); empty = random; a taken one gets a suffix")
+    seed: int = setting(1337, "torch/numpy seed: init and nothing else (data order is fixed)", (0, 2 ** 32 - 1))
+    vocab_size: int = setting(8192, "must equal the tokenizer's vocabulary (shards store uint16 ids)", (1, 65536), True)
+    device: str = setting("auto", "auto = cuda if available, else cpu", ("auto", "cuda", "cpu"))
+    eval_only: str = setting("", "path of an existing artifact: skip training, score it (the model settings are its own)")
+    artifact_path: str = setting("", "where the artifact is written (its folder must exist); empty = logs/<RUN_ID>.int6.ptz")
+    checkpoint_every: float = setting(0.0, "seconds of training between checkpoints logs/<RUN_ID>.ckpt (0 = off)",
                                 NON_NEGATIVE)
-    resume: str = S("", "checkpoint to continue from; settings the environment leaves unset are the checkpoint's")
+    resume: str = setting("", "checkpoint to continue from; settings the environment leaves unset are the checkpoint's")
     # --- schedule
-    iterations: int = S(20000, "max optimizer steps", NON_NEGATIVE)
-    warmup_steps: int = S(20, "compile warmup steps, then weights/optimizer/data are restored", NON_NEGATIVE)
-    warmdown_frac: float = S(0.85, "linear lr decay over this last fraction of the run (steps, or the wallclock cap)",
+    iterations: int = setting(20000, "max optimizer steps", NON_NEGATIVE)
+    warmup_steps: int = setting(20, "compile warmup steps, then weights/optimizer/data are restored", NON_NEGATIVE)
+    warmdown_frac: float = setting(0.85, "linear lr decay over this last fraction of the run (steps, or the wallclock cap)",
                              (0, 1), on="warmdown_iters=0")
-    warmdown_iters: int = S(0, "the reference's form instead: over the last N steps (as many average steps when "
+    warmdown_iters: int = setting(0, "the reference's form instead: over the last N steps (as many average steps when "
                             "capped); 0 = WARMDOWN_FRAC", NON_NEGATIVE)
-    max_wallclock_seconds: float = S(600.0, "training cap (0 = by steps); a step starts only if CAP_MARGIN fits",
+    max_wallclock_seconds: float = setting(600.0, "training cap (0 = by steps); a step starts only if CAP_MARGIN fits",
                                      NON_NEGATIVE)
-    train_batch_tokens: int = S(786432, "global tokens per optimizer step", POSITIVE)
-    train_seq_len: int = S(2048, "training sequence length (tokens)", POSITIVE)
-    grad_accum_steps: int = S(0, "0 = max(1, 8 // WORLD_SIZE): same global batch for 1..8 GPUs", NON_NEGATIVE)
-    compile_enabled: str = S("auto", "torch.compile: auto = on for CUDA, off for CPU", ("auto", "0", "1"))
-    cuda_graphs: str = S("auto", "each micro-batch's forward+backward as one CUDA graph: auto = on for CUDA",
+    train_batch_tokens: int = setting(786432, "global tokens per optimizer step", POSITIVE)
+    train_seq_len: int = setting(2048, "training sequence length (tokens)", POSITIVE)
+    grad_accum_steps: int = setting(0, "0 = max(1, 8 // WORLD_SIZE): same global batch for 1..8 GPUs", NON_NEGATIVE)
+    compile_enabled: str = setting("auto", "torch.compile: auto = on for CUDA, off for CPU", ("auto", "0", "1"))
+    cuda_graphs: str = setting("auto", "each micro-batch's forward+backward as one CUDA graph: auto = on for CUDA",
                          ("auto", "0", "1"))
-    train_sampling: str = S("sequential", "sequential (shards in order) | coprime (strided over all shards)",
+    train_sampling: str = setting("sequential", "sequential (shards in order) | coprime (strided over all shards)",
                             ("sequential", "coprime"))
     # --- model
-    num_layers: int = S(11, "transformer blocks", POSITIVE, True)
-    model_dim: int = S(512, "residual width", POSITIVE, True)
-    num_heads: int = S(8, "query heads (head dim = MODEL_DIM / NUM_HEADS)", POSITIVE, True)
-    num_kv_heads: int = S(4, "GQA", POSITIVE, True)
-    mlp_mult: float = S(4.0, "MLP hidden = MLP_MULT * MODEL_DIM", POSITIVE, True)
-    mlp_negative_slope: float = S(0.5, "LeakyReLU(slope)^2 MLP; 0 = relu^2", NON_NEGATIVE, True)
-    tie_embeddings: bool = S(True, "output head = token embedding", model=True)
-    tied_embed_init_std: float = S(0.005, "token embedding init std", NON_NEGATIVE)
-    rope_base: float = S(10000.0, "explicit: no silent length rescaling (the reference's ran at ~22,082)", POSITIVE,
+    num_layers: int = setting(11, "transformer blocks", POSITIVE, True)
+    model_dim: int = setting(512, "residual width", POSITIVE, True)
+    num_heads: int = setting(8, "query heads (head dim = MODEL_DIM / NUM_HEADS)", POSITIVE, True)
+    num_kv_heads: int = setting(4, "GQA", POSITIVE, True)
+    mlp_mult: float = setting(4.0, "MLP hidden = MLP_MULT * MODEL_DIM", POSITIVE, True)
+    mlp_negative_slope: float = setting(0.5, "LeakyReLU(slope)^2 MLP; 0 = relu^2", NON_NEGATIVE, True)
+    tie_embeddings: bool = setting(True, "output head = token embedding", model=True)
+    tied_embed_init_std: float = setting(0.005, "token embedding init std", NON_NEGATIVE)
+    rope_base: float = setting(10000.0, "explicit: no silent length rescaling (the reference's ran at ~22,082)", POSITIVE,
                          True)
-    rope_dims: int = S(16, "partial RoPE: rotate the first ROPE_DIMS of each head (even, <= head dim)", model=True)
-    logit_softcap: float = S(30.0, "tanh softcap on logits (0 = off)", NON_NEGATIVE, True)
-    qk_gain_init: float = S(5.0, "per-head query gain after q/k RMSNorm")
-    ln_scale: bool = S(True, "scale block inputs by 1/sqrt(layer+1)", model=True)
-    xsa_last_n: int = S(11, "exclusive self-attention on the last N layers", NON_NEGATIVE, True)
-    bigram_vocab_size: int = S(0, "BigramHash buckets (0 = off)", NON_NEGATIVE, True)
-    bigram_dim: int = S(128, "BigramHash table width (projected to MODEL_DIM)", POSITIVE, True, "bigram_vocab_size")
-    smear_enabled: bool = S(False, "the seed's SmearGate: per-channel mix with the previous position, after the norm",
+    rope_dims: int = setting(16, "partial RoPE: rotate the first ROPE_DIMS of each head (even, <= head dim)", model=True)
+    logit_softcap: float = setting(30.0, "tanh softcap on logits (0 = off)", NON_NEGATIVE, True)
+    qk_gain_init: float = setting(5.0, "per-head query gain after q/k RMSNorm")
+    ln_scale: bool = setting(True, "scale block inputs by 1/sqrt(layer+1)", model=True)
+    xsa_last_n: int = setting(11, "exclusive self-attention on the last N layers", NON_NEGATIVE, True)
+    bigram_vocab_size: int = setting(0, "BigramHash buckets (0 = off)", NON_NEGATIVE, True)
+    bigram_dim: int = setting(128, "BigramHash table width (projected to MODEL_DIM)", POSITIVE, True, "bigram_vocab_size")
+    smear_enabled: bool = setting(False, "the seed's SmearGate: per-channel mix with the previous position, after the norm",
                             model=True)
-    ve_enabled: bool = S(False, "shared value embedding added to V", model=True)
-    ve_dim: int = S(128, "value-embedding table width (projected to the KV width)", POSITIVE, True, "ve_enabled")
-    ve_layers: str = S("-2,-1", "comma-separated layers; negative ones count back from NUM_LAYERS (-1: the last)",
+    ve_enabled: bool = setting(False, "shared value embedding added to V", model=True)
+    ve_dim: int = setting(128, "value-embedding table width (projected to the KV width)", POSITIVE, True, "ve_enabled")
+    ve_layers: str = setting("-2,-1", "comma-separated layers; negative ones count back from NUM_LAYERS (-1: the last)",
                        model=True, on="ve_enabled")
-    num_loops: int = S(2, "depth recurrence: LOOP_START..LOOP_END run NUM_LOOPS more times (0 = off)", NON_NEGATIVE,
+    num_loops: int = setting(2, "depth recurrence: LOOP_START..LOOP_END run NUM_LOOPS more times (0 = off)", NON_NEGATIVE,
                        True)
-    loop_start: int = S(3, "first layer of the looped segment (a shallower model: clamped, as LOOP_END)",
+    loop_start: int = setting(3, "first layer of the looped segment (a shallower model: clamped, as LOOP_END)",
                         NON_NEGATIVE, True, "num_loops")
-    loop_end: int = S(5, "last layer of the looped segment (inclusive; NUM_LAYERS - 1 at most)", NON_NEGATIVE, True,
+    loop_end: int = setting(5, "last layer of the looped segment (inclusive; NUM_LAYERS - 1 at most)", NON_NEGATIVE, True,
                       "num_loops")
-    enable_looping_at: float = S(0.35, "training progress at which the repeats start (scoring always runs them)",
+    enable_looping_at: float = setting(0.35, "training progress at which the repeats start (scoring always runs them)",
                                  FRACTION, on="num_loops")
     # The 2026-04-27 record's lanes, gates and optimizer settings (below, on by default) together: -0.033 bpb on
     # pqb-t at equal time for +5.2% record step (lanes -0.008, the rest -0.025)
-    parallel_start_layer: int = S(8, "decoder layers from this one on: two residual lanes (0 = off)", NON_NEGATIVE,
+    parallel_start_layer: int = setting(8, "decoder layers from this one on: two residual lanes (0 = off)", NON_NEGATIVE,
                                   True)
-    parallel_final_lane: str = S("mean", "what leaves the two lanes: mean | attn | mlp", ("mean", "attn", "mlp"), True)
-    skip_gates_enabled: bool = S(True, "U-Net skips through a gate: sig(g) x + (1 - sig(g)) skip, g0 = 0", model=True)
-    sparse_attn_gate_enabled: bool = S(True, "per-head attention output x sig(SCALE W h[:GATE_WINDOW])", model=True)
-    sparse_attn_gate_scale: float = S(0.5, "SCALE of the sparse gate", POSITIVE, True, "sparse_attn_gate_enabled")
-    sparse_attn_gate_init_std: float = S(0.0, "its W's init std (0 = zeros)", NON_NEGATIVE,
+    parallel_final_lane: str = setting("mean", "what leaves the two lanes: mean | attn | mlp", ("mean", "attn", "mlp"), True)
+    skip_gates_enabled: bool = setting(True, "U-Net skips through a gate: sig(g) x + (1 - sig(g)) skip, g0 = 0", model=True)
+    sparse_attn_gate_enabled: bool = setting(True, "per-head attention output x sig(SCALE W h[:GATE_WINDOW])", model=True)
+    sparse_attn_gate_scale: float = setting(0.5, "SCALE of the sparse gate", POSITIVE, True, "sparse_attn_gate_enabled")
+    sparse_attn_gate_init_std: float = setting(0.0, "its W's init std (0 = zeros)", NON_NEGATIVE,
                                          on="sparse_attn_gate_enabled")
-    smear_gate_enabled: bool = S(True, "the 04-27 record's SmearGate, before the norm: e_t += lam sig(w e_t[:GATE_WINDOW]) "
+    smear_gate_enabled: bool = setting(True, "the 04-27 record's SmearGate, before the norm: e_t += lam sig(w e_t[:GATE_WINDOW]) "
                                  "e_(t-1) (w, lam zero: identity at init)", model=True)
-    gate_window: int = S(12, "leading channels the sparse gate (of h) and the SmearGate (of e) read", POSITIVE, True,
+    gate_window: int = setting(12, "leading channels the sparse gate (of h) and the SmearGate (of e) read", POSITIVE, True,
                          "sparse_attn_gate_enabled|smear_gate_enabled")
-    smear_bos_fix: bool = S(True, "SmearGate mixes nothing into a document's BOS from the one before", model=True)
-    doc_isolation: bool = S(True, "nothing crosses a BOS: block-diagonal attention, BigramHash (train and score)",
+    smear_bos_fix: bool = setting(True, "SmearGate mixes nothing into a document's BOS from the one before", model=True)
+    doc_isolation: bool = setting(True, "nothing crosses a BOS: block-diagonal attention, BigramHash (train and score)",
                             model=True)
-    attn_backend: str = S("auto", "auto on CUDA: varlen to train with DOC_ISOLATION, else fa3 if importable, else "
+    attn_backend: str = setting("auto", "auto on CUDA: varlen to train with DOC_ISOLATION, else fa3 if importable, else "
                           "SDPA cudnn; math on CPU", ("auto", "fa3", "flash", "cudnn", "math", "varlen"))
-    kernels: str = S("auto", "q/k norm+RoPE, XSA, softcap CE: auto = triton on CUDA, torch ops on CPU (triton there "
+    kernels: str = setting("auto", "q/k norm+RoPE, XSA, softcap CE: auto = triton on CUDA, torch ops on CPU (triton there "
                      "needs TRITON_INTERPRET=1)", ("auto", "triton", "torch"))
     # --- optimizer
-    matrix_lr: float = S(0.026, "Muon lr for the four banks", NON_NEGATIVE)
-    scalar_lr: float = S(0.02, "AdamW lr for control tensors and small projections", NON_NEGATIVE)
-    tied_embed_lr: float = S(0.03, "AdamW lr for token/bigram/value-embedding tables (tied head)", NON_NEGATIVE)
-    embed_lr: float = S(0.6, "table lr when embeddings are untied", NON_NEGATIVE)
-    head_lr: float = S(0.008, "untied lm_head lr", NON_NEGATIVE)
-    muon_momentum: float = S(0.97, "Muon Nesterov momentum after warmup", FRACTION)
-    muon_momentum_warmup_start: float = S(0.92, "Muon momentum at step 0", FRACTION)
-    muon_momentum_warmup_steps: int = S(1500, "linear momentum warmup length", NON_NEGATIVE)
-    muon_backend_steps: int = S(5, "Newton-Schulz iterations", POSITIVE)
-    muon_polar_express: bool = S(True, "Polar Express: per-iteration NS coefficients (the last repeats past 5)")
-    muon_row_normalize: bool = S(True, "MuonEq-R: each row of the update divided by its norm before NS")
-    muon_wd: float = S(0.095, "decoupled weight decay on the banks", NON_NEGATIVE)
-    min_lr: float = S(0.1, "floor of the lr scale in the warmdown (must stay below LATE_QAT_THRESHOLD)", FRACTION)
-    muon_reduce_dtype: str = S("auto", "bank grad reduce-scatter, momentum and NS dtype: auto = bf16 CUDA, fp32 CPU",
+    matrix_lr: float = setting(0.026, "Muon lr for the four banks", NON_NEGATIVE)
+    scalar_lr: float = setting(0.02, "AdamW lr for control tensors and small projections", NON_NEGATIVE)
+    tied_embed_lr: float = setting(0.03, "AdamW lr for token/bigram/value-embedding tables (tied head)", NON_NEGATIVE)
+    embed_lr: float = setting(0.6, "table lr when embeddings are untied", NON_NEGATIVE)
+    head_lr: float = setting(0.008, "untied lm_head lr", NON_NEGATIVE)
+    muon_momentum: float = setting(0.97, "Muon Nesterov momentum after warmup", FRACTION)
+    muon_momentum_warmup_start: float = setting(0.92, "Muon momentum at step 0", FRACTION)
+    muon_momentum_warmup_steps: int = setting(1500, "linear momentum warmup length", NON_NEGATIVE)
+    muon_backend_steps: int = setting(5, "Newton-Schulz iterations", POSITIVE)
+    muon_polar_express: bool = setting(True, "Polar Express: per-iteration NS coefficients (the last repeats past 5)")
+    muon_row_normalize: bool = setting(True, "MuonEq-R: each row of the update divided by its norm before NS")
+    muon_wd: float = setting(0.095, "decoupled weight decay on the banks", NON_NEGATIVE)
+    min_lr: float = setting(0.1, "floor of the lr scale in the warmdown (must stay below LATE_QAT_THRESHOLD)", FRACTION)
+    muon_reduce_dtype: str = setting("auto", "bank grad reduce-scatter, momentum and NS dtype: auto = bf16 CUDA, fp32 CPU",
                                ("auto", "bf16", "fp32"))
-    adam_wd: float = S(0.02, "AdamW weight decay of the control tensors and small projections", NON_NEGATIVE)
-    embed_wd: float = S(0.085, "AdamW weight decay of the embedding tables (not the untied head)", NON_NEGATIVE)
-    beta1: float = S(0.9, "AdamW beta1", FRACTION)
-    beta2: float = S(0.99, "AdamW beta2", FRACTION)
-    adam_eps: float = S(1e-8, "AdamW epsilon", POSITIVE)
-    grad_clip_norm: float = S(0.3, "clip by the global norm of the reduced gradient (0 = off)", NON_NEGATIVE)
+    adam_wd: float = setting(0.02, "AdamW weight decay of the control tensors and small projections", NON_NEGATIVE)
+    embed_wd: float = setting(0.085, "AdamW weight decay of the embedding tables (not the untied head)", NON_NEGATIVE)
+    beta1: float = setting(0.9, "AdamW beta1", FRACTION)
+    beta2: float = setting(0.99, "AdamW beta2", FRACTION)
+    adam_eps: float = setting(1e-8, "AdamW epsilon", POSITIVE)
+    grad_clip_norm: float = setting(0.3, "clip by the global norm of the reduced gradient (0 = off)", NON_NEGATIVE)
     # --- averaging / QAT
-    ema_enabled: bool = S(True, "keep an EMA of all weights and export it")
-    ema_decay: float = S(0.9965, "fixed per-step decay (the reference's 0.997); 0 = from EMA_HORIZON", FRACTION,
+    ema_enabled: bool = setting(True, "keep an EMA of all weights and export it")
+    ema_decay: float = setting(0.9965, "fixed per-step decay (the reference's 0.997); 0 = from EMA_HORIZON", FRACTION,
                          on="ema_enabled")
-    ema_horizon: float = S(0.08, "EMA time constant, a fraction of the run (steps, or the wallclock cap)", NON_NEGATIVE,
+    ema_horizon: float = setting(0.08, "EMA time constant, a fraction of the run (steps, or the wallclock cap)", NON_NEGATIVE,
                            on="ema_decay=0")
-    late_qat_threshold: float = S(0.0, "fake-quantize banks to int6 once lr scale < this (0 = off)", (0, 1))
+    late_qat_threshold: float = setting(0.0, "fake-quantize banks to int6 once lr scale < this (0 = off)", (0, 1))
     # --- eval / logging / export
-    eval_seq_len: int = S(2048, "sliding-window scoring window", POSITIVE)
-    eval_stride: int = S(64, "tokens scored per window (after the first)", POSITIVE)
-    sliding_eval_enabled: bool = S(True, "the EVAL_STRIDE sliding scores (7.7 + 2.4 s on the proxy, H200); 0 (needs "
+    eval_seq_len: int = setting(2048, "sliding-window scoring window", POSITIVE)
+    eval_stride: int = setting(64, "tokens scored per window (after the first)", POSITIVE)
+    sliding_eval_enabled: bool = setting(True, "the EVAL_STRIDE sliding scores (7.7 + 2.4 s on the proxy, H200); 0 (needs "
                                    "TTT): skip")
-    val_loss_every: int = S(0, "plain val scoring every N steps (0 = only at the end)", NON_NEGATIVE)
-    val_batch_size: int = S(524288, "scoring tokens per forward over all ranks x grad-accum slots", POSITIVE)
-    train_log_every: int = S(500, "train_loss line every N steps (and the first 10)", NON_NEGATIVE)
-    compressor: str = S("rans", "rans (context-modelled rANS, the smallest) | fast (zstd-3 for sweeps: 0.2 s)",
+    val_loss_every: int = setting(0, "plain val scoring every N steps (0 = only at the end)", NON_NEGATIVE)
+    val_batch_size: int = setting(524288, "scoring tokens per forward over all ranks x grad-accum slots", POSITIVE)
+    train_log_every: int = setting(500, "train_loss line every N steps (and the first 10)", NON_NEGATIVE)
+    compressor: str = setting("rans", "rans (context-modelled rANS, the smallest) | fast (zstd-3 for sweeps: 0.2 s)",
                         ("rans", "fast"))
-    int6_scale_floor: float = S(FP16_MIN_NORMAL, "floor on int6 row scales (the default, fp16's smallest normal, "
+    int6_scale_floor: float = setting(FP16_MIN_NORMAL, "floor on int6 row scales (the default, fp16's smallest normal, "
                                 "floors no trained row; the sp1024 stack's 1/31 coarsens tiny rows)")
-    matrix_clip_sigmas: float = S(12.85, "bank row scale = k * std(row) / 31 (SD clip); 0 = the clip search",
+    matrix_clip_sigmas: float = setting(12.85, "bank row scale = k * std(row) / 31 (SD clip); 0 = the clip search",
                                   NON_NEGATIVE)
-    mlp_clip_sigmas: float = S(11.5, "SD clip k of the MLP matrices; 0 = MATRIX_CLIP_SIGMAS", NON_NEGATIVE)
-    attn_clip_sigmas: float = S(13.0, "SD clip k of the attention matrices; 0 = MATRIX_CLIP_SIGMAS", NON_NEGATIVE)
-    embed_bits: int = S(7, "bits of the big tables' codes (EMBED_TABLES, an untied head)", (4, 8))
-    embed_clip_sigmas: float = S(14.0, "their row scale = k * std(row) / (2^(EMBED_BITS-1) - 1); 0 = |w| quantile "
+    mlp_clip_sigmas: float = setting(11.5, "SD clip k of the MLP matrices; 0 = MATRIX_CLIP_SIGMAS", NON_NEGATIVE)
+    attn_clip_sigmas: float = setting(13.0, "SD clip k of the attention matrices; 0 = MATRIX_CLIP_SIGMAS", NON_NEGATIVE)
+    embed_bits: int = setting(7, "bits of the big tables' codes (EMBED_TABLES, an untied head)", (4, 8))
+    embed_clip_sigmas: float = setting(14.0, "their row scale = k * std(row) / (2^(EMBED_BITS-1) - 1); 0 = |w| quantile "
                                  "clip", NON_NEGATIVE)
-    lqer_enabled: bool = S(True, "LQER: the quantization error's rank-LQER_RANK SVD stored for the worst matrices")
-    lqer_rank: int = S(4, "rank of each correction A B (A int2, B int4)", POSITIVE, on="lqer_enabled")
-    lqer_top_k: int = S(3, "the matrices corrected: largest error norm ||W - Q||_F first", POSITIVE, on="lqer_enabled")
-    lqer_asym_group: int = S(64, "B's int4 scale group (one that does not divide B: A and B int4 per row)", POSITIVE,
+    lqer_enabled: bool = setting(True, "LQER: the quantization error's rank-LQER_RANK SVD stored for the worst matrices")
+    lqer_rank: int = setting(4, "rank of each correction A B (A int2, B int4)", POSITIVE, on="lqer_enabled")
+    lqer_top_k: int = setting(3, "the matrices corrected: largest error norm ||W - Q||_F first", POSITIVE, on="lqer_enabled")
+    lqer_asym_group: int = setting(64, "B's int4 scale group (one that does not divide B: A and B int4 per row)", POSITIVE,
                              on="lqer_enabled")
-    gptq_calibration_batches: int = S(16, "GPTQ's X^T X from this many train micro-batches per rank (0 = off)",
+    gptq_calibration_batches: int = setting(16, "GPTQ's X^T X from this many train micro-batches per rank (0 = off)",
                                       NON_NEGATIVE)
     # 16 batches took 1.9 s at 65,536-token micro-batches (one H200; the record's 2.3 s there, 3.5-3.6 s in later
     # records' 8xH100 logs at 98,304): about 3 s, and 1.5 s of margin (the later records' safe setting)
-    gptq_reserve_seconds: float = S(4.5, "training stops this much before the wallclock cap, for the calibration",
+    gptq_reserve_seconds: float = setting(4.5, "training stops this much before the wallclock cap, for the calibration",
                                     NON_NEGATIVE, on="gptq_calibration_batches")
-    auto_size: float = S(0.0, "MLP width (or bigram table, MLP_MULT set) filling this fraction of the limit (0 = off)",
+    auto_size: float = setting(0.0, "MLP width (or bigram table, MLP_MULT set) filling this fraction of the limit (0 = off)",
                          FRACTION)
     # --- legal test-time training (score first, then train; after the final scoring)
-    ttt_enabled: bool = S(True, "run legal TTT on the read-back artifact and log legal_ttt")
+    ttt_enabled: bool = setting(True, "run legal TTT on the read-back artifact and log legal_ttt")
     # lora gained 0.0089 / 0.0081 on the defaults' pqb artifacts (seeds 1337 / 42), sgd 0.0011 on the first
-    ttt_mode: str = S("lora", "lora: per-document LoRA adapters; sgd: full-parameter SGD over the stream's chunks",
-                      ("sgd", "lora"), on="ttt_enabled")
-    ttt_lr: float = S(0.006, "lr, cosine-decayed over chunks (0.006 beat the reference's 0.002 on the PQB)",
+    ttt_mode: str = setting("lora", "lora: per-document LoRA adapters; sgd: full-parameter SGD over the stream's chunks",
+                      lambda: tuple(TTT_MODES), on="ttt_enabled")
+    ttt_lr: float = setting(0.006, "lr, cosine-decayed over chunks (0.006 beat the reference's 0.002 on the PQB)",
                       NON_NEGATIVE, on="ttt_mode=sgd")
-    ttt_epochs: int = S(3, "passes over each chunk after it is scored (0 = score only)", NON_NEGATIVE,
+    ttt_epochs: int = setting(3, "passes over each chunk after it is scored (0 = score only)", NON_NEGATIVE,
                         on="ttt_mode=sgd")
-    ttt_chunk_tokens: int = S(32768, "targets per chunk", POSITIVE, on="ttt_mode=sgd")
-    ttt_freeze_blocks: int = S(0, "first N blocks stay frozen", NON_NEGATIVE, on="ttt_mode=sgd")
-    ttt_momentum: float = S(0.9, "SGD momentum", FRACTION, on="ttt_mode=sgd")
-    ttt_batch_seqs: int = S(32, "sequences (TRAIN_SEQ_LEN) per TTT step, over all ranks", POSITIVE, on="ttt_mode=sgd")
-    ttt_grad_clip: float = S(1.0, "global grad-norm clip", POSITIVE, on="ttt_mode=sgd")
-    ttt_lora_rank: int = S(80, "adapter rank (q, k, v, o and MLP of every layer, and the head)", POSITIVE,
+    ttt_chunk_tokens: int = setting(32768, "targets per chunk", POSITIVE, on="ttt_mode=sgd")
+    ttt_freeze_blocks: int = setting(0, "first N blocks stay frozen", NON_NEGATIVE, on="ttt_mode=sgd")
+    ttt_momentum: float = setting(0.9, "SGD momentum", FRACTION, on="ttt_mode=sgd")
+    ttt_batch_seqs: int = setting(32, "sequences (TRAIN_SEQ_LEN) per TTT step, over all ranks", POSITIVE, on="ttt_mode=sgd")
+    ttt_grad_clip: float = setting(1.0, "global grad-norm clip", POSITIVE, on="ttt_mode=sgd")
+    ttt_lora_rank: int = setting(80, "adapter rank (q, k, v, o and MLP of every layer, and the head)", POSITIVE,
                            on="ttt_mode=lora")
-    ttt_lora_alpha: float = S(144.0, "adapter output x ALPHA / RANK", POSITIVE, on="ttt_mode=lora")
-    ttt_lora_lr: float = S(3e-4, "AdamW lr (betas 0, 0.99; eps 1e-10); 3e-4 gained 0.0085 on pqb, 1e-4 0.0053",
+    ttt_lora_alpha: float = setting(144.0, "adapter output x ALPHA / RANK", POSITIVE, on="ttt_mode=lora")
+    ttt_lora_lr: float = setting(3e-4, "AdamW lr (betas 0, 0.99; eps 1e-10); 3e-4 gained 0.0085 on pqb, 1e-4 0.0053",
                            POSITIVE, on="ttt_mode=lora")
-    ttt_weight_decay: float = S(0.5, "AdamW weight decay of the adapters", NON_NEGATIVE, on="ttt_mode=lora")
-    ttt_grad_steps: int = S(1, "AdamW steps on a chunk after it is scored (0 = score only); 2 at lr 1e-4: -0.0063 vs "
+    ttt_weight_decay: float = setting(0.5, "AdamW weight decay of the adapters", NON_NEGATIVE, on="ttt_mode=lora")
+    ttt_grad_steps: int = setting(1, "AdamW steps on a chunk after it is scored (0 = score only); 2 at lr 1e-4: -0.0063 vs "
                             "-0.0055, twice the time", NON_NEGATIVE, on="ttt_mode=lora")
-    ttt_chunk_size: int = S(64, "targets per chunk of a document (scored, then trained on); EVAL_STRIDE: a window each",
+    ttt_chunk_size: int = setting(64, "targets per chunk of a document (scored, then trained on); EVAL_STRIDE: a window each",
                             POSITIVE, on="ttt_mode=lora")
-    ttt_batch_size: int = S(64, "documents per lockstep batch (rows of a step) on each rank", POSITIVE,
+    ttt_batch_size: int = setting(64, "documents per lockstep batch (rows of a step) on each rank", POSITIVE,
                             on="ttt_mode=lora")
-    ttt_short_score_first_steps: str = S("", "smaller chunks for short documents: LEN:CHUNK,... (a document of at "
+    ttt_short_score_first_steps: str = setting("", "smaller chunks for short documents: LEN:CHUNK,... (a document of at "
                                          "most LEN targets: CHUNK; the records' 256:8,2000:24); empty = off",
                                          on="ttt_mode=lora")
-    ttt_warm_start_a: bool = S(False, "keep the adapters' A from batch to batch (B and AdamW restart; A goes back to its "
+    ttt_warm_start_a: bool = setting(False, "keep the adapters' A from batch to batch (B and AdamW restart; A goes back to its "
                                "initial draw after each phase): a document no longer scores as if alone",
                                on="ttt_mode=lora")
-    ttt_q_lora: bool = S(True, "adapters on q (the head's is always on)", on="ttt_mode=lora")
-    ttt_k_lora: bool = S(True, "adapters on k", on="ttt_mode=lora")
-    ttt_v_lora: bool = S(True, "adapters on v", on="ttt_mode=lora")
-    ttt_o_lora: bool = S(True, "adapters on the attention output", on="ttt_mode=lora")
-    ttt_mlp_lora: bool = S(True, "adapters on the MLP output", on="ttt_mode=lora")
-    phased_ttt_prefix_docs: int = S(0, "phased global SGD: the first N documents lora scores (longest first) train "
+    ttt_q_lora: bool = setting(True, "adapters on q (the head's is always on)", on="ttt_mode=lora")
+    ttt_k_lora: bool = setting(True, "adapters on k", on="ttt_mode=lora")
+    ttt_v_lora: bool = setting(True, "adapters on v", on="ttt_mode=lora")
+    ttt_o_lora: bool = setting(True, "adapters on the attention output", on="ttt_mode=lora")
+    ttt_mlp_lora: bool = setting(True, "adapters on the MLP output", on="ttt_mode=lora")
+    phased_ttt_prefix_docs: int = setting(0, "phased global SGD: the first N documents lora scores (longest first) train "
                                     "the base weights in phases, after they are scored (0 = off; the records' 2,500: "
                                     "-0.0022 on the proxy; a rank's share 422-455 s on H200s, 454-486 on an H100: "
                                     "past 450)", NON_NEGATIVE, on="ttt_mode=lora")
-    phased_ttt_num_phases: int = S(3, "phases of the prefix; after phase k, SGD on its first k/N (cumulative)",
+    phased_ttt_num_phases: int = setting(3, "phases of the prefix; after phase k, SGD on its first k/N (cumulative)",
                                    POSITIVE, on="phased_ttt_prefix_docs")
-    global_ttt_lr: float = S(0.001, "the phases' SGD lr, cosine over the chunks", NON_NEGATIVE,
+    global_ttt_lr: float = setting(0.001, "the phases' SGD lr, cosine over the chunks", NON_NEGATIVE,
                              on="phased_ttt_prefix_docs")
-    global_ttt_momentum: float = S(0.9, "the phases' SGD momentum", FRACTION, on="phased_ttt_prefix_docs")
-    global_ttt_epochs: int = S(1, "passes over a phase's documents", NON_NEGATIVE, on="phased_ttt_prefix_docs")
-    global_ttt_chunk_tokens: int = S(32768, "tokens per SGD step, as CHUNK_TOKENS // EVAL_SEQ_LEN rows of one "
+    global_ttt_momentum: float = setting(0.9, "the phases' SGD momentum", FRACTION, on="phased_ttt_prefix_docs")
+    global_ttt_epochs: int = setting(1, "passes over a phase's documents", NON_NEGATIVE, on="phased_ttt_prefix_docs")
+    global_ttt_chunk_tokens: int = setting(32768, "tokens per SGD step, as CHUNK_TOKENS // EVAL_SEQ_LEN rows of one "
                                      "document each (the last step's are not trained on, as in the records)",
                                      POSITIVE, on="phased_ttt_prefix_docs")
-    global_ttt_grad_clip: float = S(1.0, "the phases' grad-norm clip", POSITIVE, on="phased_ttt_prefix_docs")
+    global_ttt_grad_clip: float = setting(1.0, "the phases' grad-norm clip", POSITIVE, on="phased_ttt_prefix_docs")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> tuple["Hyperparameters", list[str]]:
@@ -301,7 +301,7 @@ class Hyperparameters:
         return cfg, warnings
 
     def ignored(self, name: str) -> str:
-        """Why setting `name` is not read with these settings ("" if it is): its feature (S's `on`) is off."""
+        """Why setting `name` is not read with these settings ("" if it is): its feature (setting's `on`) is off."""
         on = SETTINGS[name].metadata["on"]
         if not on:
             return ""
@@ -325,59 +325,60 @@ class Hyperparameters:
         return out
 
     def validate(self) -> None:
-        def need(ok: bool, msg: str) -> None:
+        def require(ok: bool, msg: str) -> None:
             if not ok:
                 raise ValueError(msg)
         for n, f in SETTINGS.items():
             v, allowed = getattr(self, n), f.metadata["allowed"]
+            allowed = allowed() if callable(allowed) else allowed
             if isinstance(allowed, tuple) and isinstance(allowed[0], str):
-                need(v in allowed, f"{n.upper()}={v!r} is not one of {', '.join(allowed)}")
+                require(v in allowed, f"{n.upper()}={v!r} is not one of {', '.join(allowed)}")
             elif isinstance(allowed, tuple):
-                need(allowed[0] <= v <= allowed[1], f"{n.upper()}={v} is out of range: it must be in "
+                require(allowed[0] <= v <= allowed[1], f"{n.upper()}={v} is out of range: it must be in "
                      f"{allowed[0]}..{allowed[1]}")
             elif allowed:
-                need(IN_RANGE[allowed](v), f"{n.upper()}={v} is out of range: it must be {allowed}")
-        need(re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)?", self.run_id) is not None,
+                require(IN_RANGE[allowed](v), f"{n.upper()}={v} is out of range: it must be {allowed}")
+        require(re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)?", self.run_id) is not None,
              f"RUN_ID {self.run_id!r} is not a plain name (letters, digits, '-', '_', '.'; it names files in logs/)")
-        need(not (self.resume and self.eval_only), "RESUME and EVAL_ONLY exclude each other")
-        need(self.bigram_vocab_size != 1, "BIGRAM_VOCAB_SIZE must be 0 (off) or >= 2")
-        need(self.model_dim % self.num_heads == 0,
+        require(not (self.resume and self.eval_only), "RESUME and EVAL_ONLY exclude each other")
+        require(self.bigram_vocab_size != 1, "BIGRAM_VOCAB_SIZE must be 0 (off) or >= 2")
+        require(self.model_dim % self.num_heads == 0,
              f"MODEL_DIM={self.model_dim} must divide by NUM_HEADS={self.num_heads}")
-        need(self.num_heads % self.num_kv_heads == 0,
+        require(self.num_heads % self.num_kv_heads == 0,
              f"NUM_HEADS={self.num_heads} must divide by NUM_KV_HEADS={self.num_kv_heads}")
-        need(round(self.mlp_mult * self.model_dim, 6) >= 1,
+        require(round(self.mlp_mult * self.model_dim, 6) >= 1,
              f"MLP_MULT={self.mlp_mult} x MODEL_DIM={self.model_dim} rounds to an MLP of 0 units")
-        need(self.rope_dims % 2 == 0 and 0 <= self.rope_dims <= self.head_dim, "ROPE_DIMS: even, <= head dim")
-        need(self.eval_stride <= self.eval_seq_len, "EVAL_STRIDE must be in 1..EVAL_SEQ_LEN")
-        need(all(s.strip().removeprefix("-").isdigit() for s in self.ve_layers.split(",") if s.strip()),
+        require(self.rope_dims % 2 == 0 and 0 <= self.rope_dims <= self.head_dim, "ROPE_DIMS: even, <= head dim")
+        require(self.eval_stride <= self.eval_seq_len, "EVAL_STRIDE must be in 1..EVAL_SEQ_LEN")
+        require(all(s.strip().removeprefix("-").isdigit() for s in self.ve_layers.split(",") if s.strip()),
              f"malformed value for VE_LAYERS: {self.ve_layers!r} (expected comma-separated layer indices)")
         given = [int(s) for s in self.ve_layers.split(",") if s.strip()]
-        need(not self.ve_enabled or all(-self.num_layers <= i < self.num_layers for i in given),
+        require(not self.ve_enabled or all(-self.num_layers <= i < self.num_layers for i in given),
              "VE_LAYERS outside -NUM_LAYERS..NUM_LAYERS-1")
-        need(len(set(self.ve_layer_list)) == len(self.ve_layer_list), f"VE_LAYERS={self.ve_layers} names a layer twice")
-        need(not self.ema_enabled or self.ema_horizon > 0 or self.ema_decay > 0, "EMA_HORIZON must be > 0 (or set EMA_DECAY)")
-        need(self.num_loops == 0 or self.loop_start <= self.loop_end, "LOOP_START must be <= LOOP_END")
+        require(len(set(self.ve_layer_list)) == len(self.ve_layer_list), f"VE_LAYERS={self.ve_layers} names a layer twice")
+        require(not self.ema_enabled or self.ema_horizon > 0 or self.ema_decay > 0, "EMA_HORIZON must be > 0 (or set EMA_DECAY)")
+        require(self.num_loops == 0 or self.loop_start <= self.loop_end, "LOOP_START must be <= LOOP_END")
         for looping in (False, True):  # once two lanes, always two: a serial layer after them has no one residual
             lanes = parallel_positions(self, looping)
-            need(lanes == sorted(lanes), f"PARALLEL_START_LAYER={self.parallel_start_layer} puts a serial layer "
+            require(lanes == sorted(lanes), f"PARALLEL_START_LAYER={self.parallel_start_layer} puts a serial layer "
                  f"after a parallel one in the decoder {layer_order(self, looping)[len(lanes) // 2:]}")
-        need(self.gate_window <= self.model_dim or self.ignored("gate_window"), "GATE_WINDOW must be <= MODEL_DIM")
-        need(not (self.smear_enabled and self.smear_gate_enabled), "SMEAR_ENABLED=1 (the seed's SmearGate) and "
+        require(self.gate_window <= self.model_dim or self.ignored("gate_window"), "GATE_WINDOW must be <= MODEL_DIM")
+        require(not (self.smear_enabled and self.smear_gate_enabled), "SMEAR_ENABLED=1 (the seed's SmearGate) and "
              "SMEAR_GATE_ENABLED=1 (the 04-27 record's) are two kinds of one gate: set one to 0")
-        need(not (self.doc_isolation and (self.smear_enabled or self.smear_gate_enabled) and not self.smear_bos_fix),
+        require(not (self.doc_isolation and (self.smear_enabled or self.smear_gate_enabled) and not self.smear_bos_fix),
              "DOC_ISOLATION=1 needs SMEAR_BOS_FIX=1 (the SmearGate would carry the previous document into a BOS)")
-        need(self.late_qat_threshold == 0 or self.min_lr < self.late_qat_threshold,
+        require(self.late_qat_threshold == 0 or self.min_lr < self.late_qat_threshold,
              "MIN_LR must be below LATE_QAT_THRESHOLD: late QAT starts when the lr scale falls under it")
-        need(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
-        need(re.fullmatch(r"\s*(\d+:[1-9]\d*\s*(,\s*\d+:[1-9]\d*\s*)*)?", self.ttt_short_score_first_steps) is not None,
+        require(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
+        require(re.fullmatch(r"\s*(\d+:[1-9]\d*\s*(,\s*\d+:[1-9]\d*\s*)*)?", self.ttt_short_score_first_steps) is not None,
              f"TTT_SHORT_SCORE_FIRST_STEPS={self.ttt_short_score_first_steps!r}: LEN:CHUNK pairs, e.g. 256:8,2000:24")
-        need(self.sliding_eval_enabled or self.ttt_enabled,
+        require(self.sliding_eval_enabled or self.ttt_enabled,
              "SLIDING_EVAL_ENABLED=0 needs TTT_ENABLED=1 (without TTT the sliding score is the final score)")
-        need(self.max_wallclock_seconds == 0 or self.gptq_calibration_batches == 0
+        require(self.max_wallclock_seconds == 0 or self.gptq_calibration_batches == 0
              or self.gptq_reserve_seconds < self.max_wallclock_seconds,
              "GPTQ_RESERVE_SECONDS must be below MAX_WALLCLOCK_SECONDS")
         # scales are stored (and applied) as fp16: a smaller floor rounds to 0 and turns all-zero rows into 0/0
-        need(self.int6_scale_floor >= FP16_MIN_NORMAL,
+        require(self.int6_scale_floor >= FP16_MIN_NORMAL,
              "INT6_SCALE_FLOOR must be >= 2^-14 (6.1e-5), fp16's smallest normal")
 
     @property
@@ -534,10 +535,9 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
         fa3 = importlib.util.find_spec("flash_attn_interface")
         attn = ("varlen" if cfg.doc_isolation and not cfg.eval_only else "fa3" if fa3 else "cudnn") if cuda else "math"
     # DOC_ISOLATION's rows that cross documents need a mask (varlen's sized by TrainLoader); scoring rows do not
-    sgd = cfg.ttt_enabled and cfg.ttt_mode == "sgd" and cfg.ttt_epochs > 0
-    if cfg.doc_isolation and (sgd or not cfg.eval_only) and attn not in (("math",) if sgd else ("math", "varlen")):
-        raise ValueError(f"DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen, and TTT_MODE=sgd updates on math "
-                         f"(the backend here is {attn}); EVAL_ONLY scoring and TTT_MODE=lora run on any")
+    if cfg.doc_isolation and not cfg.eval_only and attn not in ("math", "varlen"):
+        raise ValueError(f"DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen (the backend here is {attn}); "
+                         "EVAL_ONLY scoring runs on any")
     if attn == "varlen" and not cfg.doc_isolation:  # and not chosen by auto: not yet measured
         raise ValueError("ATTN_BACKEND=varlen is DOC_ISOLATION=1's backend")
     kernels = cfg.kernels if cfg.kernels != "auto" else ("triton" if cuda and triton is not None else "torch")
@@ -1335,7 +1335,6 @@ TORCH_OPS = Ops(qk_norm_rope_reference, exclusive_self_attention_reference, soft
 
 # The quantisation grid of late QAT and the export: per-row scale = clip / qmax, floored, stored (so applied) as
 # fp16; codes = round(w / scale) in [-qmax, qmax]. QAT clips each row at its max; the export chooses the clip.
-INT6_MAX = 31
 
 
 def grid_scale(clip_R: Tensor, qmax: int, floor: float) -> Tensor:
@@ -1347,13 +1346,24 @@ def grid_codes(w_RC: Tensor, clip_R: Tensor, scale_R: Tensor, qmax: int) -> Tens
     return torch.clamp(torch.round(torch.maximum(torch.minimum(w_RC, clip), -clip) / scale_R[:, None]), -qmax, qmax)
 
 
-def fake_quant_int6(w: Tensor, floor: float) -> Tensor:
-    """Straight-through fake quantisation of each row (last dim) to the exported int6 grid."""
+def fake_quant(w: Tensor, qmax: int, floor: float) -> Tensor:
+    """Straight-through fake quantisation of each row (last dim) to a grid of codes in -qmax..qmax."""
     w2 = w.detach().reshape(-1, w.size(-1))
     clip = w2.abs().amax(dim=1)
-    scale = grid_scale(clip, INT6_MAX, floor)
-    q = (grid_codes(w2, clip, scale, INT6_MAX) * scale[:, None]).view_as(w)
+    scale = grid_scale(clip, qmax, floor)
+    q = (grid_codes(w2, clip, scale, qmax) * scale[:, None]).view_as(w)
     return w + (q - w).detach()
+
+
+class Mode(NamedTuple):
+    """What a forward runs beyond its inputs: the loop's repeats (LOOP_START..LOOP_END NUM_LOOPS more times; off
+    until ENABLE_LOOPING_AT in training) and late QAT (the banks fake-quantized to codes in -qat..qat; 0 = off). The
+    trainer holds the current one (its CUDA graphs and checkpoints read it); every scorer runs SCORING."""
+    looping: bool = True
+    qat: int = 0
+
+
+SCORING = Mode()
 
 
 def bigram_hash(ids_BT: Tensor, buckets: int, isolate: bool = False) -> Tensor:
@@ -1379,7 +1389,30 @@ class Block(nn.Module):
             self.attn_gate_w = nn.Parameter(torch.zeros(num_heads, gate_window))
 
 
-class DocLoRA(nn.Module):
+class Adapter(nn.Module):
+    """What the forward asks of a test-time adapter (DocLoRA is the one here). Row b of a call is one document's.
+    deltas(names, s, x) gives what to add to each output of `names` at position s of the layer order, all read from
+    x: ("attn.q", "attn.k", "attn.v", "attn.o") from the attention's normed input, ("mlp",) from the MLP's, ("head",)
+    from the final hidden state (s = 0); 0 for an output it leaves alone. reset(keep) starts a batch of documents
+    as the model was (keep: the part TTT_WARM_START_A carries over). Built as cls(cfg, rows, device)."""
+
+    def deltas(self, names: tuple[str, ...], s: int, x_BTI: Tensor) -> list[Tensor | int]:
+        raise NotImplementedError
+
+    def reset(self, keep: bool = False) -> None:
+        raise NotImplementedError
+
+
+class Pass(NamedTuple):
+    """What the layers of one forward share."""
+    banks: dict[str, Tensor]  # in the compute dtype; fake-quantized under late QAT
+    ve_BTK: Tensor | None  # the value embedding, projected
+    mask: Tensor | None  # document_mask or document_segments (DOC_ISOLATION)
+    adapter: Adapter | None
+    hessians: dict | None  # GPTQ calibration: {(matrix, layer): sum of X^T X of its input}
+
+
+class DocLoRA(Adapter):
     """TTT_MODE=lora's adapters (the 04-10..04-27 records' LoRA TTT). Row b holds one document: rank-r pairs on q, k,
     v, o and the MLP at every position of the layer order (a looped layer's repeats have their own, as in the 04-27
     record) and on the head, each adding ALPHA/r * B A x. reset(): B = 0 (the model as it was), A one fixed
@@ -1403,9 +1436,9 @@ class DocLoRA(nn.Module):
         self.reset()
 
     @torch.no_grad()
-    def reset(self, keep_a: bool = False) -> None:
+    def reset(self, keep: bool = False) -> None:
         for a, b, a0 in zip(self.A, self.B, self.A0):
-            if not keep_a:
+            if not keep:
                 a.copy_(a0.expand_as(a))
             b.zero_()
 
@@ -1426,9 +1459,8 @@ class GPT(nn.Module):
         super().__init__()
         L, D, V = cfg.num_layers, cfg.model_dim, cfg.vocab_size
         kv_dim = cfg.num_kv_heads * cfg.head_dim
-        self.cfg, self.attn_backend, self.ops, self.qat_enabled = cfg, attn_backend, ops, False
-        self.looping = cfg.num_loops > 0  # the loop's repeats run (training switches them on at ENABLE_LOOPING_AT)
-        self.hessians: dict | None = None  # GPTQ calibration: {(matrix, layer): sum of X^T X of its input}
+        self.cfg, self.attn_backend, self.ops = cfg, attn_backend, ops
+        self.input_scale = [1.0 / math.sqrt(i + 1) if cfg.ln_scale else 1.0 for i in range(L)]  # input scale, by layer
         self.tok_emb = nn.Embedding(V, D)
         mlp = int(round(cfg.mlp_mult * D, 6))  # float-exact: 61 * 64 / 448 * 448 is 3903.99...
         shapes = {"qo_bank": (D, D), "kv_bank": (kv_dim, D), "mlp_up_bank": (mlp, D), "mlp_down_bank": (D, mlp)}
@@ -1507,108 +1539,125 @@ class GPT(nn.Module):
             x = (1 - g) * x + g * F.pad(x[:, :-1], (0, 0, 1, 0))
         return x
 
-    def hidden(self, ids_BT: Tensor, lora: DocLoRA | None = None, one_doc: bool = False) -> Tensor:
-        """one_doc: each row holds one document up to its last scored target (the scorer's rows under DOC_ISOLATION),
-        so causal attention isolates it without the mask, on any backend."""
-        cfg, L = self.cfg, self.cfg.num_layers
+    def hidden(self, ids_BT: Tensor, adapter: Adapter | None = None, one_doc: bool = False, mode: Mode = SCORING,
+               hessians: dict | None = None) -> Tensor:
+        """The final hidden states. one_doc: each row holds one document up to its last scored target (the scorer's
+        rows under DOC_ISOLATION), so causal attention isolates it without the mask, on any backend. hessians: GPTQ's
+        sums (observe) to add to."""
+        cfg = self.cfg
+        if ids_BT.size(1) > self.rope_cos.size(0):
+            raise ValueError(f"sequence length {ids_BT.size(1)} > max(TRAIN_SEQ_LEN, EVAL_SEQ_LEN) = "
+                             f"{self.rope_cos.size(0)}")
         x = self.embed(ids_BT)
-        x0, skips = x, []
-        banks = {bank: getattr(self, bank) for bank in BANKS}
-        if self.qat_enabled and self.training:  # scoring always sees the float weights
-            banks = {k: fake_quant_int6(b, cfg.int6_scale_floor) for k, b in banks.items()}
-        dtype = torch.bfloat16 if torch.is_autocast_enabled(x.device.type) else x.dtype
-        banks = {k: b.to(dtype) for k, b in banks.items()}
-        ve_BTK = None
-        if cfg.ve_layer_list:
-            ve_BTK = self.ve.proj(self.ve.embed(ids_BT))
-            ve_BTK = ve_BTK * self.ve.scale.to(ve_BTK.dtype)
-        B, T, _ = x.shape
-        if T > self.rope_cos.size(0):
-            raise ValueError(f"sequence length {T} > max(TRAIN_SEQ_LEN, EVAL_SEQ_LEN) = {self.rope_cos.size(0)}")
-        H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        lns = [1.0 / math.sqrt(i + 1) if cfg.ln_scale else 1.0 for i in range(L)]  # by layer, not position
-        docs = document_segments if self.attn_backend == "varlen" else document_mask
-        doc_mask = docs(ids_BT) if cfg.doc_isolation and not one_doc else None  # built once for all layers
-
-        def attn(i: int, s: int, x: Tensor) -> Tensor:  # layer i's attention at position s of x (pre-norm), scaled
-            blk, ln = self.blocks[i], lns[i]
-            w = {n: layer_matrix(banks, n, i, L) for n in ("attn.q", "attn.k", "attn.v", "attn.o")}
-            h = self.observe(("attn.q", "attn.k", "attn.v"), i, rms_norm(x) * ln)
-            # one GEMM for q|k|v (1.6-1.9 ms per record step less than three, in three same-call A/Bs)
-            qkv = F.linear(h, torch.cat((w["attn.q"], w["attn.k"], w["attn.v"])))
-            q, k, v = qkv.split((H * hd, K * hd, K * hd), dim=-1)
-            if lora is not None:
-                dq, dk, dv, do = lora.deltas(("attn.q", "attn.k", "attn.v", "attn.o"), s, h)
-                q, k, v = q + dq, k + dk, v + dv
-            if i in cfg.ve_layer_list:
-                v = v + ve_BTK * self.ve_layer_scales[cfg.ve_layer_list.index(i)].to(v.dtype)
-            v = v.view(B, T, K, hd)
-            q = self.ops.qk_norm_rope(q.view(B, T, H, hd), self.rope_cos, self.rope_sin, blk.q_gain)
-            k = self.ops.qk_norm_rope(k.view(B, T, K, hd), self.rope_cos, self.rope_sin, None)
-            y = attention(q, k, v, self.attn_backend, doc_mask)
-            if i >= L - cfg.xsa_last_n:
-                y = self.ops.xsa(y, v)
-            if cfg.attn_gate_window:  # per head, from h's first channels
-                z = F.linear(h[..., :cfg.attn_gate_window], blk.attn_gate_w.to(h.dtype))
-                y = y * torch.sigmoid(cfg.sparse_attn_gate_scale * z)[..., None]
-            y = F.linear(self.observe(("attn.o",), i, y.reshape(B, T, H * hd)), w["attn.o"])
-            return blk.attn_scale.to(x.dtype) * (y if lora is None else y + do)
-
-        def mlp(i: int, s: int, x: Tensor) -> Tensor:
-            h = self.observe(("mlp.up",), i, rms_norm(x) * lns[i])
-            u = F.linear(h, layer_matrix(banks, "mlp.up", i, L))
-            u = F.leaky_relu(u, cfg.mlp_negative_slope) if cfg.mlp_negative_slope > 0 else F.relu(u)
-            u = F.linear(self.observe(("mlp.down",), i, u.square()), layer_matrix(banks, "mlp.down", i, L))
-            return self.blocks[i].mlp_scale.to(x.dtype) * (u if lora is None else u + lora.deltas(("mlp",), s, h)[0])
-
-        order, parallel, P = layer_order(cfg, self.looping), parallel_positions(cfg, self.looping), cfg.parallel_start
-        n_enc, lanes = len(order) // 2, None  # lanes: (attention's, MLP's) from the first parallel layer on
+        f = self.shared(ids_BT, x, adapter, one_doc, mode, hessians)
+        order, parallel = layer_order(cfg, mode.looping), parallel_positions(cfg, mode.looping)
+        x0, skips, lanes, n_enc = x, [], None, len(order) // 2  # lanes: (attention's, MLP's) once parallel
         for pos, i in enumerate(order):
             if parallel[pos] and lanes is None:
                 lanes = (x, x)
-            if pos >= n_enc and skips:  # into x, or the attention's lane
-                skip, into = self.skip_weights[pos - n_enc].to(x.dtype) * skips.pop(), x if lanes is None else lanes[0]
-                if cfg.skip_gates_enabled:  # sig(g) into + (1 - sig(g)) skip
-                    into = torch.lerp(skip, into, torch.sigmoid(self.skip_gates[pos - n_enc].to(x.dtype)))
-                else:
-                    into = into + skip
-                x, lanes = (into, None) if lanes is None else (x, (into, lanes[1]))
-            mix = self.blocks[i].resid_mix.to(x.dtype)
-            if lanes is None:  # serial: attention, then the MLP reads its result
-                x = mix[0] * x + mix[1] * x0
-                x = x + attn(i, pos, x)
-                x = x + mlp(i, pos, x)
-            else:  # parallel (2026-03-31 record): both read their own lane, both write both lanes
-                a, m = attn(i, pos, mix[0] * lanes[0] + mix[1] * x0), mlp(i, pos, lanes[1])
-                r, post = self.parallel_resid[i - P].to(x.dtype), self.parallel_post[i - P].to(x.dtype)
-                lanes = (r[0] * lanes[0] + post[0, 0] * a + post[1, 0] * m,
-                         r[1] * lanes[1] + post[0, 1] * a + post[1, 1] * m)
+            if pos >= n_enc and skips:
+                x, lanes = self.skip_in(pos - n_enc, skips.pop(), x, lanes)
+            x, lanes = self.layer(i, pos, x, x0, lanes, f)
             if pos < n_enc:
                 skips.append(x)
         if lanes is not None:
             x = {"mean": 0.5 * (lanes[0] + lanes[1]), "attn": lanes[0], "mlp": lanes[1]}[cfg.parallel_final_lane]
         return rms_norm(x)
 
-    def observe(self, names: tuple[str, ...], i: int, x_BTC: Tensor) -> Tensor:
-        """x, the input of layer i's matrices `names`; while calibrating, its X^T X (fp32) is added up."""
-        if self.hessians is not None:  # in fp32 also under autocast: bf16 products made H indefinite (H200)
-            x = x_BTC.detach().reshape(-1, x_BTC.size(-1)).float()
-            with torch.autocast(x.device.type, enabled=False):
-                xtx = x.T @ x
-            for n in names:
-                self.hessians[n, i] = self.hessians.get((n, i), 0) + xtx
-        return x_BTC
+    def shared(self, ids_BT: Tensor, x: Tensor, adapter: Adapter | None, one_doc: bool, mode: Mode,
+               hessians: dict | None) -> Pass:
+        cfg, banks = self.cfg, {bank: getattr(self, bank) for bank in BANKS}
+        if mode.qat:
+            banks = {k: fake_quant(b, mode.qat, cfg.int6_scale_floor) for k, b in banks.items()}
+        dtype = torch.bfloat16 if torch.is_autocast_enabled(x.device.type) else x.dtype
+        ve_BTK = None
+        if cfg.ve_layer_list:
+            ve_BTK = self.ve.proj(self.ve.embed(ids_BT))
+            ve_BTK = ve_BTK * self.ve.scale.to(ve_BTK.dtype)
+        docs = document_segments if self.attn_backend == "varlen" else document_mask
+        mask = docs(ids_BT) if cfg.doc_isolation and not one_doc else None  # built once for all layers
+        return Pass({k: b.to(dtype) for k, b in banks.items()}, ve_BTK, mask, adapter, hessians)
 
-    def raw_logits(self, ids_BT: Tensor, lora: DocLoRA | None = None, one_doc: bool = False) -> Tensor:
-        h = self.hidden(ids_BT, lora, one_doc)
+    def skip_in(self, j: int, skip: Tensor, x: Tensor, lanes: tuple | None) -> tuple[Tensor, tuple | None]:
+        """U-Net skip j into x, or into the attention's lane: sig(g) into + (1 - sig(g)) skip (ungated: + skip)."""
+        skip, into = self.skip_weights[j].to(x.dtype) * skip, x if lanes is None else lanes[0]
+        if self.cfg.skip_gates_enabled:
+            into = torch.lerp(skip, into, torch.sigmoid(self.skip_gates[j].to(x.dtype)))
+        else:
+            into = into + skip
+        return (into, None) if lanes is None else (x, (into, lanes[1]))
+
+    def layer(self, i: int, s: int, x: Tensor, x0: Tensor, lanes: tuple | None, f: Pass) -> tuple[Tensor, tuple | None]:
+        """Layer i at position s: serial (attention, then the MLP reads its result), or parallel (2026-03-31 record:
+        both read their own lane, both write both lanes)."""
+        mix = self.blocks[i].resid_mix.to(x.dtype)
+        if lanes is None:
+            x = mix[0] * x + mix[1] * x0
+            x = x + self.attn(i, s, x, f)
+            return x + self.mlp(i, s, x, f), None
+        a, m = self.attn(i, s, mix[0] * lanes[0] + mix[1] * x0, f), self.mlp(i, s, lanes[1], f)
+        k = i - self.cfg.parallel_start
+        r, post = self.parallel_resid[k].to(x.dtype), self.parallel_post[k].to(x.dtype)
+        return x, (r[0] * lanes[0] + post[0, 0] * a + post[1, 0] * m, r[1] * lanes[1] + post[0, 1] * a + post[1, 1] * m)
+
+    def attn(self, i: int, s: int, x: Tensor, f: Pass) -> Tensor:
+        """Layer i's attention at position s of the layer order, of x (pre-norm), scaled."""
+        cfg, blk, L = self.cfg, self.blocks[i], self.cfg.num_layers
+        (B, T, _), H, K, hd = x.shape, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        w = {n: layer_matrix(f.banks, n, i, L) for n in ("attn.q", "attn.k", "attn.v", "attn.o")}
+        h = observe(f.hessians, ("attn.q", "attn.k", "attn.v"), i, rms_norm(x) * self.input_scale[i])
+        # one GEMM for q|k|v (1.6-1.9 ms per record step less than three, in three same-call A/Bs)
+        q, k, v = F.linear(h, torch.cat((w["attn.q"], w["attn.k"], w["attn.v"]))).split((H * hd, K * hd, K * hd), -1)
+        if f.adapter is not None:
+            dq, dk, dv, do = f.adapter.deltas(("attn.q", "attn.k", "attn.v", "attn.o"), s, h)
+            q, k, v = q + dq, k + dk, v + dv
+        if i in cfg.ve_layer_list:
+            v = v + f.ve_BTK * self.ve_layer_scales[cfg.ve_layer_list.index(i)].to(v.dtype)
+        v = v.view(B, T, K, hd)
+        q = self.ops.qk_norm_rope(q.view(B, T, H, hd), self.rope_cos, self.rope_sin, blk.q_gain)
+        k = self.ops.qk_norm_rope(k.view(B, T, K, hd), self.rope_cos, self.rope_sin, None)
+        y = attention(q, k, v, self.attn_backend, f.mask)
+        if i >= L - cfg.xsa_last_n:
+            y = self.ops.xsa(y, v)
+        if cfg.attn_gate_window:  # per head, from h's first channels
+            z = F.linear(h[..., :cfg.attn_gate_window], blk.attn_gate_w.to(h.dtype))
+            y = y * torch.sigmoid(cfg.sparse_attn_gate_scale * z)[..., None]
+        y = F.linear(observe(f.hessians, ("attn.o",), i, y.reshape(B, T, H * hd)), w["attn.o"])
+        return blk.attn_scale.to(x.dtype) * (y if f.adapter is None else y + do)
+
+    def mlp(self, i: int, s: int, x: Tensor, f: Pass) -> Tensor:
+        """Layer i's MLP at position s, of x (pre-norm), scaled: LeakyReLU(slope)^2."""
+        cfg, L = self.cfg, self.cfg.num_layers
+        h = observe(f.hessians, ("mlp.up",), i, rms_norm(x) * self.input_scale[i])
+        u = F.linear(h, layer_matrix(f.banks, "mlp.up", i, L))
+        u = F.leaky_relu(u, cfg.mlp_negative_slope) if cfg.mlp_negative_slope > 0 else F.relu(u)
+        u = F.linear(observe(f.hessians, ("mlp.down",), i, u.square()), layer_matrix(f.banks, "mlp.down", i, L))
+        return self.blocks[i].mlp_scale.to(x.dtype) * (u if f.adapter is None else u + f.adapter.deltas(("mlp",), s, h)[0])
+
+    def raw_logits(self, ids_BT: Tensor, adapter: Adapter | None = None, one_doc: bool = False,
+                   mode: Mode = SCORING) -> Tensor:
+        h = self.hidden(ids_BT, adapter, one_doc, mode)
         z = F.linear(h, self.tok_emb.weight if self.cfg.tie_embeddings else self.lm_head.weight)
-        return z if lora is None else z + lora.deltas(("head",), 0, h)[0]
+        return z if adapter is None else z + adapter.deltas(("head",), 0, h)[0]
 
-    def logits(self, ids_BT: Tensor, lora: DocLoRA | None = None, one_doc: bool = False) -> Tensor:
-        return softcap(self.raw_logits(ids_BT, lora, one_doc), self.cfg.logit_softcap)
+    def logits(self, ids_BT: Tensor, adapter: Adapter | None = None, one_doc: bool = False,
+               mode: Mode = SCORING) -> Tensor:
+        return softcap(self.raw_logits(ids_BT, adapter, one_doc, mode), self.cfg.logit_softcap)
 
-    def forward(self, ids_BT: Tensor, targets_BT: Tensor) -> Tensor:  # the mean training loss
-        return self.ops.loss(self.raw_logits(ids_BT).flatten(0, 1), targets_BT.flatten(), self.cfg.logit_softcap)
+    def forward(self, ids_BT: Tensor, targets_BT: Tensor, mode: Mode = SCORING) -> Tensor:  # the mean training loss
+        return self.ops.loss(self.raw_logits(ids_BT, mode=mode).flatten(0, 1), targets_BT.flatten(),
+                             self.cfg.logit_softcap)
+
+
+def observe(hessians: dict | None, names: tuple[str, ...], i: int, x_BTC: Tensor) -> Tensor:
+    """x, the input of layer i's matrices `names`; while calibrating (hessians a dict), its X^T X (fp32) is added."""
+    if hessians is not None:  # in fp32 also under autocast: bf16 products made H indefinite (H200)
+        x = x_BTC.detach().reshape(-1, x_BTC.size(-1)).float()
+        with torch.autocast(x.device.type, enabled=False):
+            xtx = x.T @ x
+        for n in names:
+            hessians[n, i] = hessians.get((n, i), 0) + xtx
+    return x_BTC
 
 
 # ===== Kernels: the Ops above as Triton kernels (optional; KERNELS=triton, the default on CUDA) =====
@@ -2028,9 +2077,9 @@ class Scorer:
         n, per_doc = self.tokens.numel() - 1, per_doc or self.cfg.doc_isolation
         return sorted({0} | set((self.tokens[:n] == BOS_ID).nonzero().flatten().tolist())) if per_doc else [0]
 
-    def logits_fn(self, model: GPT) -> Callable:
+    def logits_fn(self, model: GPT, mode: Mode = SCORING) -> Callable:
         """model.logits of rows of windows (one document each under DOC_ISOLATION), compiled when enabled."""
-        return compiled(functools.partial(model.logits, one_doc=True), self.rt)
+        return compiled(functools.partial(model.logits, one_doc=True, mode=mode), self.rt)
 
     def warm(self, fn: Callable) -> None:
         """One fixed-shape call of a logits_fn: its compile."""
@@ -2090,14 +2139,10 @@ class Scorer:
         (loss, bpb), (_, ntok, nbytes) = loss_and_bpb(totals), totals
         return Score(loss, bpb, int(ntok), int(nbytes), now_ms(rt.device) - t0, compile_ms)
 
-    def __call__(self, model: GPT, stride: int, per_doc: bool = False) -> Score:
+    def __call__(self, model: GPT, stride: int, per_doc: bool = False, mode: Mode = SCORING) -> Score:
         """The sliding-window score at `stride` (EVAL_SEQ_LEN: disjoint windows); per_doc: each document's own."""
-        was_training = model.training
-        model.eval()
-        fn = self.logits_fn(model)
-        score = self.loop(lambda: self.warm(fn), [stride], lambda s: self.score_windows(fn, self.windows(s, per_doc)))
-        model.train(was_training)
-        return score
+        fn = self.logits_fn(model, mode)
+        return self.loop(lambda: self.warm(fn), [stride], lambda s: self.score_windows(fn, self.windows(s, per_doc)))
 
 
 # ===== Legal test-time training: score a chunk, then train on it =====
@@ -2156,7 +2201,6 @@ def sgd_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> Sc
     frozen = list(range(cfg.ttt_freeze_blocks))
     params = [p for n, p in model.named_parameters() if not (n.startswith("blocks.") and int(n.split(".")[1]) in frozen)]
     opt = torch.optim.SGD(params, lr=cfg.ttt_lr, momentum=cfg.ttt_momentum)
-    model.eval()
     fn_score, fn_train = scorer.logits_fn(model), compiled(model.logits, rt)  # training rows cross documents
     rows = -(-cfg.ttt_batch_seqs // rt.world_size)  # fixed per-rank batch shape (padded): one compile
 
@@ -2206,102 +2250,148 @@ def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn
         opt.zero_grad(set_to_none=True)
 
 
-def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
-             probe: dict[str, Tensor] | None = None) -> Score:
-    """TTT_MODE=lora, score-first per document: the per-document sliding windows are cut into chunks (ttt_chunk_for)
-    that keep their window's context. Documents, longest first (where BOS tokens fall decides, as in the records), run
-    in lockstep batches of TTT_BATCH_SIZE (the records' scheduler): step c scores chunk c of every document still
-    going, then takes TTT_GRAD_STEPS AdamW steps on each row's mean chunk NLL (not on a last chunk). Adapters and
-    AdamW restart with each batch, so a document scores what it would alone (not with TTT_WARM_START_A);
-    PHASED_TTT_PREFIX_DOCS: global_sgd after each phase. probe (tests) receives each target's NLL and logsumexp."""
-    T, R = cfg.eval_seq_len, cfg.ttt_batch_size
+class LoraPlan(NamedTuple):
+    """lora TTT's schedule: each document's chunks (window start, first target, end) and span, the documents by
+    length (longest first), the phases' ends in that order, and this rank's steps (its documents, how many of the
+    order global SGD trains on after it or 0, whether the adapter keeps A from its last batch)."""
+    chunks: list[list[tuple[int, int, int]]]
+    spans: list[tuple[int, int]]
+    order: list[int]
+    phases: list[int]
+    steps: list[tuple[list[int], int, bool]]
+
+
+def lora_plan(cfg: Hyperparameters, rt: Runtime, scorer: Scorer) -> LoraPlan:
+    """The per-document sliding windows cut into chunks (ttt_chunk_for) that keep their window's context; documents
+    longest first (where BOS tokens fall decides, as in the records) in lockstep batches of TTT_BATCH_SIZE on each
+    rank, as many batches on every rank."""
     starts = scorer.doc_starts(per_doc=True)  # an adapter learns one document: its windows are the document's own
-    ends = starts[1:] + [scorer.tokens.numel() - 1]
-    docs: list[list[tuple[int, int, int]]] = [[] for _ in starts]
-    chunk = [cfg.ttt_chunk_for(e - s) for s, e in zip(starts, ends)]
+    ends, rows = starts[1:] + [scorer.tokens.numel() - 1], cfg.ttt_batch_size
+    chunks: list[list[tuple[int, int, int]]] = [[] for _ in starts]
+    size = [cfg.ttt_chunk_for(e - s) for s, e in zip(starts, ends)]
     for s, lo, hi in scorer.windows(cfg.eval_stride, per_doc=True).tolist():
         d = bisect.bisect_right(starts, s) - 1
-        docs[d] += [(s, a, min(a + chunk[d], hi)) for a in range(lo, hi, chunk[d])]
-    order = sorted(range(len(docs)), key=lambda i: ends[i] - starts[i], reverse=True)
-    P, N = min(cfg.phased_ttt_prefix_docs, len(docs)), cfg.phased_ttt_num_phases
-    phases = sorted({P * k // N for k in range(1, N + 1)} - {0, len(docs)})
-    edges = sorted({0, len(docs)} | set(phases))
-    # (this rank's documents, then SGD on the first train_upto of `order` or 0); as many on every rank
-    steps: list[tuple[list[int], int]] = []
+        chunks[d] += [(s, a, min(a + size[d], hi)) for a in range(lo, hi, size[d])]
+    order = sorted(range(len(chunks)), key=lambda i: ends[i] - starts[i], reverse=True)
+    prefix, n_phases = min(cfg.phased_ttt_prefix_docs, len(chunks)), cfg.phased_ttt_num_phases
+    phases = sorted({prefix * k // n_phases for k in range(1, n_phases + 1)} - {0, len(chunks)})
+    edges, steps, fresh = sorted({0, len(chunks)} | set(phases)), [], True  # fresh: A drawn anew (not carried)
     for a, b in zip(edges, edges[1:]):
-        mine, n = order[a:b][rt.rank::rt.world_size], -(-(b - a) // (rt.world_size * R))
-        steps += [(mine[j * R: (j + 1) * R], b if j == n - 1 and b in phases else 0) for j in range(n)]
-    lora, fresh_a, sgd_rows = DocLoRA(cfg, R, rt.device), True, global_sgd_rows(cfg, rt)[1]
-    model.eval()
-    fn = scorer.logits_fn(model)  # a row holds one document's window
+        mine, n = order[a:b][rt.rank::rt.world_size], -(-(b - a) // (rt.world_size * rows))
+        for j in range(n):
+            ids, train_upto = mine[j * rows: (j + 1) * rows], b if j == n - 1 and b in phases else 0
+            steps.append((ids, train_upto, cfg.ttt_warm_start_a and not fresh))
+            fresh = bool(train_upto) or (fresh and not ids)  # global SGD changed the model: A restarts
+    return LoraPlan(chunks, list(zip(starts, ends)), order, phases, steps)
 
-    def warmup() -> None:
-        if rt.compile_enabled:  # forward and backward: one graph for every rows x length
-            x = torch.zeros(R, T, dtype=torch.int64, device=rt.device)
-            for dim in (0, 1):
-                torch._dynamo.maybe_mark_dynamic(x, dim)
-            with autocast(rt.device):
-                fn(x, lora).float().sum().backward()
-            lora.zero_grad(set_to_none=True)
-            if phases:  # and global_sgd's
-                with grad_flags(model, True), autocast(rt.device):
-                    fn(torch.zeros(sgd_rows, T, dtype=torch.int64, device=rt.device)).float().sum().backward()
-                model.zero_grad(set_to_none=True)
 
-    def batch_of_documents(step: tuple[list[int], int]) -> Tensor:
-        nonlocal fresh_a
-        ids, train_upto = step
+def lora_warmup(cfg: Hyperparameters, rt: Runtime, model: GPT, fn: Callable, adapter: Adapter, phased: bool) -> None:
+    """The compiles before the timer: lora's forward and backward (one graph for every rows x length) and, phased,
+    global_sgd's."""
+    if rt.compile_enabled:
+        x = torch.zeros(cfg.ttt_batch_size, cfg.eval_seq_len, dtype=torch.int64, device=rt.device)
+        for dim in (0, 1):
+            torch._dynamo.maybe_mark_dynamic(x, dim)
+        with autocast(rt.device):
+            fn(x, adapter).float().sum().backward()
+        adapter.zero_grad(set_to_none=True)
+        if phased:
+            rows = global_sgd_rows(cfg, rt)[1]
+            with grad_flags(model, True), autocast(rt.device):
+                fn(torch.zeros(rows, cfg.eval_seq_len, dtype=torch.int64, device=rt.device)).float().sum().backward()
+            model.zero_grad(set_to_none=True)
+
+
+def lora_batch(cfg: Hyperparameters, rt: Runtime, scorer: Scorer, fn: Callable, adapter: Adapter,
+               batch: list[list[tuple[int, int, int]]], keep: bool, probe: dict | None) -> Tensor:
+    """One lockstep batch (documents' chunks, most chunks first): step c scores chunk c of every document still
+    going, then takes TTT_GRAD_STEPS AdamW steps on each row's mean chunk NLL (none on a last chunk). Returns the
+    batch's (nll, tokens, bytes) sums."""
+    sums, R, T = torch.zeros(3, dtype=torch.float64, device=rt.device), cfg.ttt_batch_size, cfg.eval_seq_len
+    plan = torch.zeros(len(batch[0]), R, 4, dtype=torch.int64)  # step c's rows: window, trained; one copy
+    for r, d in enumerate(batch):
+        plan[:len(d), r, :3] = torch.tensor(d)
+        plan[:len(d) - 1, r, 3] = 1  # the last chunk is not trained on
+    if rt.device.type == "cuda":  # pinned, so the copy does not wait for the GPU to drain
+        plan = plan.pin_memory().to(rt.device, non_blocking=True)
+    adapter.reset(keep)
+    opt = torch.optim.AdamW(adapter.parameters(), lr=cfg.ttt_lora_lr, betas=(0.0, 0.99), eps=1e-10,
+                            weight_decay=cfg.ttt_weight_decay, fused=rt.device.type == "cuda")
+    for c in range(len(batch[0])):
+        going = [d[c] for d in batch if c < len(d)]  # the batch's first rows: most chunks first
+        # rows rounded up to 8, as long as the longest window needs (a power of two, max(T/16, 8)..T; below 8
+        # dynamo would specialise): a step costs what it holds; causal attention keeps it exact
+        n = min(R, -(-len(going) // 8) * 8)
+        length = min(T, max(T // 16, 8, 1 << (max(hi - s for s, _, hi in going) - 1).bit_length()))
+        w = plan[c, :n]
+        for step in range(max(cfg.ttt_grad_steps, 1)):
+            logits, nll, (x, y, mask, nbytes) = scorer.rows_nll(fn, w, length, adapter)
+            if step == 0:  # the score: before any step that sees these targets
+                sums += scorer.sums(nll.detach(), mask, nbytes)
+                if probe is not None:
+                    at = (w[:, :1] + torch.arange(length, device=rt.device))[mask]
+                    probe["nll"][at] = nll.detach()[mask].double()
+                    probe["lse"][at] = logits.detach().float().logsumexp(-1)[mask].double()
+            if cfg.ttt_grad_steps == 0 or c == len(batch[0]) - 1:  # the last step trains no row
+                break
+            ((nll * mask).sum(1) * w[:, 3] / mask.sum(1).clamp(min=1)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return sums
+
+
+def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, probe: dict[str, Tensor] | None = None,
+             adapter_cls: type[Adapter] | None = None) -> Score:
+    """TTT_MODE=lora, score-first per document (lora_plan, lora_batch; the records' scheduler). Adapters (DocLoRA, or
+    adapter_cls) and AdamW restart with each batch, so a document scores what it would alone (not with
+    TTT_WARM_START_A); PHASED_TTT_PREFIX_DOCS: global_sgd after each phase. probe (tests) receives each target's NLL
+    and logsumexp."""
+    plan = lora_plan(cfg, rt, scorer)
+    adapter, fn = (adapter_cls or DocLoRA)(cfg, cfg.ttt_batch_size, rt.device), scorer.logits_fn(model)
+
+    def step(s: tuple[list[int], int, bool]) -> Tensor:
+        ids, train_upto, keep = s
         sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
         if ids:  # most chunks first: the documents still going are the first rows
-            sums = score_batch(sorted((docs[i] for i in ids), key=len, reverse=True))
+            sums = lora_batch(cfg, rt, scorer, fn, adapter, sorted((plan.chunks[i] for i in ids), key=len,
+                                                                   reverse=True), keep, probe)
         if train_upto:
-            global_sgd(cfg, rt, model, scorer, fn, [(starts[i], ends[i]) for i in order[:train_upto]])
-            fresh_a = True
+            global_sgd(cfg, rt, model, scorer, fn, [plan.spans[i] for i in plan.order[:train_upto]])
         return sums
 
-    def score_batch(batch: list[list[tuple[int, int, int]]]) -> Tensor:
-        nonlocal fresh_a
-        sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
-        plan = torch.zeros(len(batch[0]), R, 4, dtype=torch.int64)  # step c's rows: window, trained; one copy
-        for r, d in enumerate(batch):
-            plan[:len(d), r, :3] = torch.tensor(d)
-            plan[:len(d) - 1, r, 3] = 1  # the last chunk is not trained on
-        if rt.device.type == "cuda":  # pinned, so the copy does not wait for the GPU to drain
-            plan = plan.pin_memory().to(rt.device, non_blocking=True)
-        lora.reset(keep_a=cfg.ttt_warm_start_a and not fresh_a)
-        fresh_a = False
-        opt = torch.optim.AdamW(lora.parameters(), lr=cfg.ttt_lora_lr, betas=(0.0, 0.99), eps=1e-10,
-                                weight_decay=cfg.ttt_weight_decay, fused=rt.device.type == "cuda")
-        for c in range(len(batch[0])):
-            going = [d[c] for d in batch if c < len(d)]  # the batch's first rows: most chunks first
-            # rows rounded up to 8, as long as the longest window needs (a power of two, max(T/16, 8)..T; below 8
-            # dynamo would specialise): a step costs what it holds; causal attention keeps it exact
-            n = min(R, -(-len(going) // 8) * 8)
-            length = min(T, max(T // 16, 8, 1 << (max(hi - s for s, _, hi in going) - 1).bit_length()))
-            w = plan[c, :n]
-            for step in range(max(cfg.ttt_grad_steps, 1)):
-                logits, nll, (x, y, mask, nbytes) = scorer.rows_nll(fn, w, length, lora)
-                if step == 0:  # the score: before any step that sees these targets
-                    sums += scorer.sums(nll.detach(), mask, nbytes)
-                    if probe is not None:
-                        at = (w[:, :1] + torch.arange(length, device=rt.device))[mask]
-                        probe["nll"][at] = nll.detach()[mask].double()
-                        probe["lse"][at] = logits.detach().float().logsumexp(-1)[mask].double()
-                if cfg.ttt_grad_steps == 0 or c == len(batch[0]) - 1:  # the last step trains no row
-                    break
-                ((nll * mask).sum(1) * w[:, 3] / mask.sum(1).clamp(min=1)).sum().backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        return sums
-
-    done = list(itertools.accumulate(len(ids) for ids, _ in steps))
+    done = list(itertools.accumulate(len(ids) for ids, _, _ in plan.steps))
     with grad_flags(model, False):  # gradients reach the adapters only (and the base weights in global_sgd)
-        return scorer.loop(warmup, steps, batch_of_documents, "ttt_lora_docs", done, f"ttt_lora documents:{len(docs)} "
-                           f"chunks:{sum(map(len, docs))} rank0_documents:{done[-1]} rows:{R} phases:{phases}")
+        return scorer.loop(lambda: lora_warmup(cfg, rt, model, fn, adapter, bool(plan.phases)), plan.steps, step,
+                           "ttt_lora_docs", done, f"ttt_lora documents:{len(plan.chunks)} chunks:"
+                           f"{sum(map(len, plan.chunks))} rank0_documents:{done[-1]} rows:{cfg.ttt_batch_size} "
+                           f"phases:{plan.phases}")
+
+
+@dataclass(frozen=True)
+class TTTMode:
+    """A legal TTT mode, named by TTT_MODE: its scorer (cfg, rt, model, scorer) -> Score, the attention backends its
+    updates need under DOC_ISOLATION (none: any), and whether its gain is measured against the per-document
+    windows (then scored too, where DOC_ISOLATION does not already score them so)."""
+    score: Callable[..., Score]
+    update_backends: Callable[[Hyperparameters], tuple[str, ...]]
+    per_doc_baseline: bool
+
+
+TTT_MODES = {"sgd": TTTMode(sgd_ttt, lambda cfg: ("math",) if cfg.ttt_epochs > 0 else (), False),
+             "lora": TTTMode(lora_ttt, lambda cfg: (), True)}
+
+
+def check_ttt_backend(cfg: Hyperparameters, rt: Runtime) -> None:
+    """A mode's updates of rows that cross documents need a mask (sgd's are not counted in varlen's cu_seqlens)."""
+    need = TTT_MODES[cfg.ttt_mode].update_backends(cfg) if cfg.ttt_enabled and cfg.doc_isolation else ()
+    if need and rt.attn_backend not in need:
+        raise ValueError(f"DOC_ISOLATION=1: TTT_MODE={cfg.ttt_mode} updates on ATTN_BACKEND={' or '.join(need)} "
+                         f"(the backend here is {rt.attn_backend})")
 
 
 # ===== Export: int6 banks, int8 tables, fp16 rest on the grid of the Model section; no pickle; compressed =====
 
+INT6_MAX = 31  # the bank matrices' codes (FORMATS["q6"])
 CLIP_QUANTILES = (0.999, 0.9995, 0.9999, 0.99999, 1.0)  # per-row clip candidates, best MSE wins
 INT8_CLIP_QUANTILE = 0.9999984  # the reference's per-row clip for int8 tables
 KEEP_FLOAT_MAX_NUMEL = 65536  # tensors up to this size stay float (fp16)
@@ -2403,7 +2493,6 @@ def quantize_matrix(w_RC: Tensor, sigmas: float, floor: float, h_CC: Tensor | No
 
 LQER_A_MAX, LQER_B_MAX = 1.5, 7.5  # the scales' divisors: A's codes -2..1, B's -8..7 (the records' asymmetric form)
 LQER_ROW_MAX = 7  # the fallback: A and B int4 per row, -7..7
-LQER_KINDS = ("lqA", "lqAs", "lqB", "lqBs")  # a corrected matrix's extra tensors: A's codes and scales, B's
 
 
 def lqer_factors(err_RC: Tensor, rank: int, group: int) -> dict[str, Tensor]:
@@ -2432,42 +2521,123 @@ def lqer_delta(f: dict[str, Tensor]) -> Tensor:
     return dq(f["lqA"], f["lqAs"]) @ dq(f["lqB"], f["lqBs"])
 
 
-def bank_matrix_names(num_layers: int) -> dict[str, tuple[str, int]]:
-    return {f"blocks.{i}.{n}": (n, i) for n in MATRICES for i in range(num_layers)}
+# rANS's bits a code: SD-clipped, a Gaussian row's on steps of k std / qmax (0.07-0.12% under the defaults' trained
+# artifacts, records/PERFORMANCE.md session 31); clip-searched, PQB's; 1.59 B a fp16 value; zstd-3 8.1% larger.
+PREDICT_SIDE_BYTES, PREDICT_MIN_BITS, PREDICT_CODER = 1.59, 0.5, {"rans": 1.0, "fast": 1.081}
+PREDICT_SEARCH_BITS = {"q6": 4.245, "q8": 7.2}  # clip-searched codes (8-bit; about a bit less per bit dropped)
 
 
-def storage(name: str, t: Tensor, banked: dict) -> str:
-    """How a tensor of unbank(state) is stored: int6 codes (bank matrices), int8 codes (the big tables) or fp16."""
-    return "q6" if name in banked else "q8" if t.numel() > KEEP_FLOAT_MAX_NUMEL and t.ndim == 2 else "f16"
+def sd_clip_bits(k: float, qmax: int = INT6_MAX) -> float:
+    """An SD-clipped code's predicted bits (0 at k = 0: no SD clip)."""
+    return max(math.log2(qmax * math.sqrt(2 * math.pi * math.e) / k), PREDICT_MIN_BITS) if k > 0 else 0.0
+
+
+def bank_matrix(name: str) -> tuple[str, int] | None:
+    """(matrix, layer) of a bank matrix of unbank(state) ("blocks.3.attn.q": ("attn.q", 3)), else None."""
+    parts = name.split(".", 2)
+    return (parts[2], int(parts[1])) if len(parts) == 3 and parts[0] == "blocks" and parts[2] in MATRICES else None
+
+
+def head_name(cfg: Hyperparameters) -> str:
+    return "tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class Format:
+    """One way the artifact stores a weight of unbank(state), as tensors name.<part>. FORMATS is read by
+    quantize_state, dequantize_state, code_errors, the size prediction, late QAT (the banks' grid) and
+    tools/artifact_report.py: a new format is a new row."""
+    kind: str  # its first part (the codes or values), which names the format in an artifact
+    label: str  # what tools/artifact_report.py calls it
+    holds: Callable[[Hyperparameters, str, Tensor], bool] | None  # its weights (the first row that holds); None:
+    # a correction added to a coded weight (chosen by quantize_state)
+    quantize: Callable  # (cfg, name, w fp32 on the CPU, GPTQ's H or None, grid coarsening) -> {part: tensor}
+    dequantize: Callable[[dict[str, Tensor]], Tensor]  # {part: tensor} -> the weight (a correction's: its delta)
+    bits: Callable[[Hyperparameters, str], float]  # predicted bits a weight after rANS (+ a side value a grid row)
+    parts: tuple[str, ...] = ()  # its other parts
+    qmax: Callable[[Hyperparameters], int] = lambda cfg: 0  # a grid's codes: -qmax..qmax, a fp16 scale a row
+    clip: Callable[[Hyperparameters, str], float] = lambda cfg, name: 0.0  # a grid's SD clip k (0: clip search)
+    hessian: Callable[[Hyperparameters, str], tuple | None] = lambda cfg, name: None  # GPTQ's H: its key
+
+
+def embed_qmax(cfg: Hyperparameters) -> int:
+    return 2 ** (cfg.embed_bits - 1) - 1
+
+
+def int6_matrix(cfg: Hyperparameters, name: str, w: Tensor, h: Tensor | None, coarsen: float) -> dict[str, Tensor]:
+    sigmas = clip_sigmas(cfg, bank_matrix(name)[0])
+    return dict(zip(("q6", "scale"), quantize_matrix(w, sigmas, cfg.int6_scale_floor, h, INT6_MAX, coarsen=coarsen)))
+
+
+def embed_table(cfg: Hyperparameters, name: str, w: Tensor, h: Tensor | None, coarsen: float) -> dict[str, Tensor]:
+    """A big table at EMBED_BITS; the output head (tok_emb when tied) GPTQ'd on the final hidden states' H."""
+    qmax, k = embed_qmax(cfg), cfg.embed_clip_sigmas
+    floor = FP16_MIN_NORMAL if k > 0 else 1 / qmax
+    return dict(zip(("q8", "scale"), quantize_matrix(w, k, floor, h, qmax, (INT8_CLIP_QUANTILE,), coarsen)))
+
+
+def rows_times_scales(codes: Tensor, scale: Tensor) -> Tensor:
+    return codes.float() * scale.float()[:, None]
+
+
+FORMATS = {f.kind: f for f in (
+    Format("q6", "int6", lambda cfg, name, t: bank_matrix(name) is not None, int6_matrix,
+           lambda p: rows_times_scales(p["q6"], p["scale"]), lambda cfg, name: sd_clip_bits(
+               clip_sigmas(cfg, bank_matrix(name)[0]), INT6_MAX) or PREDICT_SEARCH_BITS["q6"], ("scale",),
+           lambda cfg: INT6_MAX, lambda cfg, name: clip_sigmas(cfg, bank_matrix(name)[0]),
+           lambda cfg, name: bank_matrix(name)),
+    Format("q8", "int8 tables", lambda cfg, name, t: t.numel() > KEEP_FLOAT_MAX_NUMEL and t.ndim == 2, embed_table,
+           lambda p: rows_times_scales(p["q8"], p["scale"]), lambda cfg, name: sd_clip_bits(
+               cfg.embed_clip_sigmas, embed_qmax(cfg)) or PREDICT_SEARCH_BITS["q8"] - (8 - cfg.embed_bits),
+           ("scale",), embed_qmax, lambda cfg, name: cfg.embed_clip_sigmas,
+           lambda cfg, name: ("head", 0) if name == head_name(cfg) else None),
+    Format("f16", "fp16 tensors", lambda cfg, name, t: True, lambda cfg, name, w, h, coarsen: {"f16": w.half()},
+           lambda p: p["f16"].float(), lambda cfg, name: 8 * PREDICT_SIDE_BYTES),
+    Format("lqA", "LQER factors", None,  # not predicted: LQER_TOP_K x LQER_RANK x (rows + columns) small codes
+           lambda cfg, name, err, h, coarsen: lqer_factors(err, cfg.lqer_rank, cfg.lqer_asym_group), lqer_delta,
+           lambda cfg, name: 0.0, ("lqAs", "lqB", "lqBs")),
+)}
+
+
+def format_of(cfg: Hyperparameters, name: str, t: Tensor) -> Format:
+    return next(f for f in FORMATS.values() if f.holds is not None and f.holds(cfg, name, t))
+
+
+def stored_weights(packed: dict[str, Tensor]) -> dict[str, list[tuple[Format, dict[str, Tensor]]]]:
+    """An artifact's tensors by weight: name -> (format, {part: tensor}) of each format it holds, its own first."""
+    by_name: dict[str, dict[str, Tensor]] = {}
+    for key, t in packed.items():
+        name, part = key.rsplit(".", 1)
+        by_name.setdefault(name, {})[part] = t
+    out = {}
+    for name, parts in by_name.items():
+        formats = [f for f in FORMATS.values() if f.kind in parts]
+        known = {p for f in formats for p in (f.kind, *f.parts)}
+        if not formats or known != set(parts):
+            raise ValueError(f"artifact holds an unknown tensor kind, or misses one: {name}."
+                             f"{sorted(known ^ set(parts) or parts)[0]}")
+        out[name] = [(f, {p: parts[p] for p in (f.kind, *f.parts)}) for f in formats]
+    return out
 
 
 def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dict | None = None,
                    grids: dict[str, float] | None = None, reuse: dict | None = None) -> dict[str, Tensor]:
-    """The artifact's tensors: bank matrices int6 (`hessians`: GPTQ, the output head too), the big tables
-    EMBED_BITS, the rest fp16; LQER's factors for the LQER_TOP_K coded matrices of the largest error. `grids`: grid
-    steps times these factors (coarser_grids), the other matrices' codes taken from `reuse`. On the CPU: the same
-    bytes from any device."""
-    out, errors, banked, grids = {}, {}, bank_matrix_names(cfg.num_layers), grids or {}
+    """The artifact's tensors, each weight in its FORMATS row (`hessians`: GPTQ where the row names an H); LQER's
+    factors for the LQER_TOP_K coded matrices of the largest error. `grids`: grid steps times these factors
+    (coarser_grids), the other coded matrices taken from `reuse`. On the CPU: the same bytes from any device."""
+    out, errors, grids = {}, {}, grids or {}
     for name, t in unbank(state, cfg.num_layers).items():
-        t, kind = t.detach().float().cpu(), storage(name, t, banked)
-        if reuse is not None and kind != "f16" and name not in grids:
-            out[name + "." + kind], out[name + ".scale"] = reuse[name + "." + kind], reuse[name + ".scale"]
-        elif kind == "q6":
-            h = hessians[banked[name]].cpu() if hessians is not None else None
-            out[name + ".q6"], out[name + ".scale"] = quantize_matrix(
-                t, clip_sigmas(cfg, banked[name][0]), cfg.int6_scale_floor, h, coarsen=grids.get(name, 1.0))
-        elif kind == "q8":  # the output head (tok_emb when tied) GPTQ'd on the final hidden states' H
-            qmax, k = 2 ** (cfg.embed_bits - 1) - 1, cfg.embed_clip_sigmas
-            head = hessians is not None and name == ("tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight")
-            out[name + ".q8"], out[name + ".scale"] = quantize_matrix(
-                t, k, FP16_MIN_NORMAL if k > 0 else 1 / qmax, hessians["head", 0].cpu() if head else None, qmax,
-                (INT8_CLIP_QUANTILE,), grids.get(name, 1.0))
+        t, fmt = t.detach().float().cpu(), format_of(cfg, name, t)
+        keys, key = [f"{name}.{p}" for p in (fmt.kind, *fmt.parts)], fmt.hessian(cfg, name)
+        if reuse is not None and fmt.qmax(cfg) and name not in grids:
+            out.update({k: reuse[k] for k in keys})
         else:
-            out[name + ".f16"] = t.half()
-        if kind != "f16" and cfg.lqer_enabled:
-            errors[name] = t - out[name + "." + kind].float() * out[name + ".scale"].float()[:, None]
+            h = hessians[key].cpu() if hessians is not None and key is not None else None
+            out.update(zip(keys, fmt.quantize(cfg, name, t, h, grids.get(name, 1.0)).values()))
+        if fmt.qmax(cfg) and cfg.lqer_enabled:
+            errors[name] = t - fmt.dequantize({p: out[k] for p, k in zip((fmt.kind, *fmt.parts), keys)})
     for name in sorted(errors, key=lambda n: -errors[n].norm().item())[: cfg.lqer_top_k]:
-        out.update({f"{name}.{k}": v for k, v in lqer_factors(errors[name], cfg.lqer_rank, cfg.lqer_asym_group).items()})
+        out.update({f"{name}.{k}": v for k, v in FORMATS["lqA"].quantize(cfg, name, errors[name], None, 1.0).items()})
     return out
 
 
@@ -2475,16 +2645,14 @@ def code_errors(packed: dict[str, Tensor], state: dict[str, Tensor], cfg: Hyperp
                 hessians: dict | None) -> dict[str, tuple[float, int]]:
     """GPTQ's objective tr(E H E^T), E = Q - W, per code of each SD-clipped coded matrix that has an H (H = I for
     all without calibration), and its codes."""
-    banked, out = bank_matrix_names(cfg.num_layers), {}
-    head = "tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight"
+    out = {}
     for name, w in unbank(state, cfg.num_layers).items():
-        kind = next((k for k in ("q6", "q8") if f"{name}.{k}" in packed), None)
-        hkey = banked.get(name) or (("head", 0) if name == head else None)
-        sigmas = clip_sigmas(cfg, banked[name][0]) if name in banked else cfg.embed_clip_sigmas
-        if kind is None or sigmas == 0 or (hessians is not None and hkey is None):
+        fmt = format_of(cfg, name, w)
+        key = fmt.hessian(cfg, name)
+        if not fmt.qmax(cfg) or fmt.clip(cfg, name) == 0 or (hessians is not None and key is None):
             continue
-        e = packed[f"{name}.{kind}"].float() * packed[name + ".scale"].float()[:, None] - w.detach().float().cpu()
-        err = (e @ hessians[hkey].float().cpu() * e).sum() if hessians is not None else e.square().sum()
+        e = fmt.dequantize({p: packed[f"{name}.{p}"] for p in (fmt.kind, *fmt.parts)}) - w.detach().float().cpu()
+        err = (e @ hessians[key].float().cpu() * e).sum() if hessians is not None else e.square().sum()
         out[name] = (float(err) / e.numel(), e.numel())
     return out
 
@@ -2506,29 +2674,14 @@ def coarser_grids(errors: dict[str, tuple[float, int]], bits: float) -> dict[str
     return {name: 2 ** step(hi, c) for name, (c, _) in errors.items() if math.log2(c) < hi}
 
 
-# rANS's bits a code: SD-clipped, a Gaussian row's on steps of k std / qmax (0.07-0.12% under the defaults' trained
-# artifacts, records/PERFORMANCE.md session 31); clip-searched, PQB's; 1.59 B a fp16 value; zstd-3 8.1% larger.
-PREDICT_BITS, PREDICT_SIDE_BYTES, PREDICT_MIN_BITS = {"q6": 4.245, "q8": 7.200}, 1.59, 0.5
-PREDICT_CODER = {"rans": 1.0, "fast": 1.081}
-
-
-def sd_clip_bits(k: float, qmax: int = INT6_MAX) -> float:
-    """An SD-clipped code's predicted bits (0 at k = 0: no SD clip)."""
-    return max(math.log2(qmax * math.sqrt(2 * math.pi * math.e) / k), PREDICT_MIN_BITS) if k > 0 else 0.0
-
-
 def predict_artifact_bytes(cfg: Hyperparameters) -> int:
     """The artifact's size for these settings, from the shapes (a meta-device model) and PREDICT_*: an estimate."""
     with torch.device("meta"):
         state = GPT(cfg).state_dict()
-    banked, total = bank_matrix_names(cfg.num_layers), 0.0
-    q8_bits = sd_clip_bits(cfg.embed_clip_sigmas, 2 ** (cfg.embed_bits - 1) - 1) or \
-        PREDICT_BITS["q8"] - (8 - cfg.embed_bits)  # clip-searched: about a bit less per bit dropped
+    total = 0.0
     for name, t in unbank(state, cfg.num_layers).items():
-        kind = storage(name, t, banked)
-        bits = (sd_clip_bits(clip_sigmas(cfg, banked[name][0])) or PREDICT_BITS["q6"]) if kind == "q6" else q8_bits
-        total += PREDICT_SIDE_BYTES * t.numel() if kind == "f16" else (
-            t.numel() * bits / 8 + PREDICT_SIDE_BYTES * t.shape[0])
+        fmt = format_of(cfg, name, t)
+        total += t.numel() * fmt.bits(cfg, name) / 8 + (PREDICT_SIDE_BYTES * t.shape[0] if fmt.qmax(cfg) else 0)
     return round(total * PREDICT_CODER[cfg.compressor])
 
 
@@ -2557,16 +2710,12 @@ def calibrate(model: GPT, loader: TrainLoader, batches: int) -> dict[tuple[str, 
     data only), summed over ranks."""
     # X^T X under the run's TF32, as the records: 1.9 s for 16 batches of 65,536 tokens against 4.5-4.7 s with TF32 off
     # (one H200, one checkpoint), for a roundtrip 3e-6 bpb worse and 264 bytes larger
-    was_training, model.hessians = model.training, {}
-    model.eval()
-    seen = 0
+    hessians, seen = {}, 0
     while seen < batches:
         for x, _ in loader.next_batch()[: batches - seen]:
             with autocast(x.device):
-                model.observe(("head",), 0, model.hidden(x))
+                observe(hessians, ("head",), 0, model.hidden(x, hessians=hessians))
             seen += 1
-    hessians, model.hessians = model.hessians, None
-    model.train(was_training)
     for h in hessians.values():
         all_reduce_sum_(h)
     return hessians
@@ -2575,16 +2724,8 @@ def calibrate(model: GPT, loader: TrainLoader, batches: int) -> dict[tuple[str, 
 def dequantize_state(packed: dict[str, Tensor], template: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
     """Inverse of quantize_state, checked against the state_dict of a freshly built model."""
     flat = {}
-    for key, t in packed.items():
-        name, kind = key.rsplit(".", 1)
-        if kind in ("q6", "q8"):
-            flat[name] = t.float() * packed[name + ".scale"].float()[:, None]
-            if name + ".lqA" in packed:
-                flat[name] += lqer_delta({k: packed[f"{name}.{k}"] for k in LQER_KINDS})
-        elif kind == "f16":
-            flat[name] = t.float()
-        elif kind != "scale" and kind not in LQER_KINDS:
-            raise ValueError(f"artifact holds an unknown tensor kind: {key}")
+    for name, stored in stored_weights(packed).items():
+        flat[name] = functools.reduce(torch.add, (fmt.dequantize(parts) for fmt, parts in stored))
     want = unbank(template, num_layers)
     missing, extra = sorted(set(want) - set(flat)), sorted(set(flat) - set(want))
     if missing or extra:
@@ -2967,17 +3108,17 @@ class Trainer:
         self.opt = Optimizers(model, cfg, rt)
         self.fwd = compiled(model, rt)
         self.graphed = self.opt.keep_grads = rt.cuda_graphs  # graphs accumulate into fixed .grad
-        self.graphs: dict[tuple, tuple] = {}  # self.variant() -> (graph, static x, static y, static loss)
+        self.graphs: dict[Mode, tuple] = {}  # mode -> (graph, static x, static y, static loss)
         # where train() starts (resumed: the saved clock); the loop's repeats start off
         self.clock = dict(step=0, train_ms=0.0, progress=0.0, qat=False, loop=False)
-        model.looping = False
+        self.mode, self.qat_grid = Mode(looping=False), FORMATS["q6"].qmax(cfg)  # late QAT: the banks' export grid
         self.ckpt_path, self.signal = Path("logs") / f"{cfg.run_id}.ckpt", 0
 
     def fwd_bwd(self, x: Tensor, y: Tensor) -> Tensor:
         """One micro-batch: forward, backward (gradients accumulate); returns its loss."""
         if not self.graphed:
             return self._fwd_bwd(x, y)
-        graph, sx, sy, loss = self.graphs.get(self.variant()) or self._capture(x, y)
+        graph, sx, sy, loss = self.graphs.get(self.mode) or self._capture(x, y)
         sx.copy_(x)
         sy.copy_(y)
         graph.replay()
@@ -2985,13 +3126,13 @@ class Trainer:
 
     def _fwd_bwd(self, x: Tensor, y: Tensor) -> Tensor:
         with autocast(self.rt.device):
-            loss = self.fwd(x, y)
+            loss = self.fwd(x, y, self.mode)
         (loss / self.rt.grad_accum_steps).backward()
         return loss.detach()
 
     def _capture(self, x: Tensor, y: Tensor) -> tuple:
-        """Capture fwd_bwd for the current variant, at a step's first micro-batch (zero gradients: the side-stream
-        warm-up's are removed). A second variant's warm-up holds a second activation block (42 GB reserved vs 21)."""
+        """Capture fwd_bwd for the current mode, at a step's first micro-batch (zero gradients: the side-stream warm-up's
+        are removed). A second mode's warm-up holds a second activation block (42 GB reserved vs 21)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if any(p.grad is not None and p.grad.any() for p in params):
             raise RuntimeError("CUDA graph capture needs zero gradients (a step's first micro-batch)")
@@ -3005,24 +3146,20 @@ class Trainer:
             self._fwd_bwd(sx, sy)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        shared = next(iter(self.graphs.values()))[0].pool() if self.graphs else None  # variants never overlap
+        shared = next(iter(self.graphs.values()))[0].pool() if self.graphs else None  # modes never overlap
         # thread_local: the NCCL watchdog thread's event queries during capture are not this capture's business
         with torch.cuda.graph(graph, pool=shared, capture_error_mode="thread_local"):
             loss = self._fwd_bwd(sx, sy)
         torch._foreach_zero_([p.grad for p in params])
-        self.graphs[self.variant()] = (graph, sx, sy, loss)
-        return self.graphs[self.variant()]
+        self.graphs[self.mode] = (graph, sx, sy, loss)
+        return self.graphs[self.mode]
 
-    def variant(self) -> tuple[bool, bool]:
-        """What a model's compiled code and CUDA graph depend on: (looping, qat)."""
-        return self.model.looping, self.model.qat_enabled
-
-    def variants(self) -> list[tuple[bool, bool]]:
-        """The variants the timed loop runs, in order: the repeats (at ENABLE_LOOPING_AT), then late QAT (an earlier
-        QAT brings the repeats forward: it tunes the final model)."""
+    def modes(self) -> list[Mode]:
+        """The modes the timed loop runs, in order (its compiled code and CUDA graphs, one each): the repeats (at
+        ENABLE_LOOPING_AT), then late QAT (an earlier QAT brings the repeats forward: it tunes the final model)."""
         loops, qat, at = self.cfg.num_loops > 0, self.cfg.late_qat_threshold > 0, self.cfg.enable_looping_at
-        out = [(loops and at == 0, False)] + [(True, False)] * (loops and at > 0)
-        return out + [(loops, True)] * qat
+        out = [Mode(loops and at == 0)] + [Mode(True)] * (loops and at > 0)
+        return out + [Mode(loops, self.qat_grid)] * qat
 
     def step(self, step: int, lr_scale: float) -> Tensor:
         """One optimizer step over the global batch; returns this rank's mean micro-batch loss."""
@@ -3037,15 +3174,15 @@ class Trainer:
     def warmup(self) -> None:
         """Compile on real steps, the last ones the later variants (no recompile in the timed window), then restore
         weights, optimizer state and data position exactly."""
-        cfg, variants = self.cfg, self.variants()
+        cfg, modes = self.cfg, self.modes()
         if cfg.warmup_steps <= 0:
             return
-        if cfg.warmup_steps < len(variants):
-            self.log(f"warning WARMUP_STEPS < {len(variants)}: the (looping, qat) variants "
-                     f"{variants[cfg.warmup_steps:]} will compile (and capture) inside the timed window")
+        if cfg.warmup_steps < len(modes):
+            self.log(f"warning WARMUP_STEPS < {len(modes)}: the modes {modes[cfg.warmup_steps:]} will compile (and "
+                     "capture) inside the timed window")
         saved = copy.deepcopy(self.state(None, self.clock))
-        plan = (variants[:1] * (cfg.warmup_steps - len(variants)) + variants)[:cfg.warmup_steps]
-        for i, (self.model.looping, self.model.qat_enabled) in enumerate(plan):
+        plan = (modes[:1] * (cfg.warmup_steps - len(modes)) + modes)[:cfg.warmup_steps]
+        for i, self.mode in enumerate(plan):
             self.step(i, 1.0)
             self.log(f"warmup_step:{i + 1}/{cfg.warmup_steps}")
         self.load(saved, None)
@@ -3082,7 +3219,7 @@ class Trainer:
             while step < cfg.iterations:
                 if cfg.val_loss_every > 0 and step > 0 and step % cfg.val_loss_every == 0:
                     train_ms += now_ms(rt.device) - t0
-                    s = scorer(self.model, cfg.eval_seq_len)
+                    s = scorer(self.model, cfg.eval_seq_len, mode=self.mode._replace(qat=0))
                     log(f"step:{step}/{cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} "
                         f"train_time:{train_ms:.0f}ms step_avg:{train_ms / step:.2f}ms")
                     t0, t_prev = now_ms(rt.device), None
@@ -3107,12 +3244,11 @@ class Trainer:
                     self.save_checkpoint(ema, clock(train_ms))
                     t0, t_prev, last_ckpt = now_ms(rt.device), None, train_ms
                 lr_scale = lr_scale_at(cfg, step, elapsed)
-                if cfg.late_qat_threshold > 0 and lr_scale < cfg.late_qat_threshold and not self.model.qat_enabled:
-                    self.model.qat_enabled = True
+                if cfg.late_qat_threshold > 0 and lr_scale < cfg.late_qat_threshold and not self.mode.qat:
+                    self.mode = self.mode._replace(qat=self.qat_grid)
                     log(f"late_qat:enabled step:{step} lr_scale:{lr_scale:.4f}")
-                if cfg.num_loops > 0 and not self.model.looping and (progress >= cfg.enable_looping_at
-                                                                     or self.model.qat_enabled):
-                    self.model.looping = True
+                if cfg.num_loops > 0 and not self.mode.looping and (progress >= cfg.enable_looping_at or self.mode.qat):
+                    self.mode = self.mode._replace(looping=True)
                     log(f"layer_loop:enabled step:{step} progress:{progress:.3f} layers:{layer_order(cfg, True)}")
                 try:
                     loss = self.step(step, lr_scale)
@@ -3194,11 +3330,11 @@ class Trainer:
         if state["cuda_rng"] is not None and self.rt.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"], self.rt.device)
         self.clock = state["clock"]
-        self.model.qat_enabled, self.model.looping = self.clock["qat"], self.clock["loop"]
+        self.mode = Mode(self.clock["loop"], self.qat_grid if self.clock["qat"] else 0)
 
     def save_checkpoint(self, ema: EMA | None, clock: dict) -> None:
         t0 = now_ms(HOST)
-        state = self.state(ema, dict(clock, qat=self.model.qat_enabled, loop=self.model.looping))
+        state = self.state(ema, dict(clock, qat=bool(self.mode.qat), loop=self.mode.looping))
         if self.rt.is_main:
             buf = io.BytesIO()
             torch.save(state, buf)
@@ -3331,8 +3467,7 @@ def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: 
     steps, train_ms, stopped_by = trainer.train(scorer, ema)
     if stopped_by:
         return model, None, train_ms, stopped_by
-    if cfg.num_loops > 0 and not model.looping:  # stopped before ENABLE_LOOPING_AT: the repeats still score
-        model.looping = True
+    if cfg.num_loops > 0 and not trainer.mode.looping:  # stopped before ENABLE_LOOPING_AT: the repeats still score
         log(f"layer_loop:enabled after training step:{steps} (scoring, calibration and export run the repeats)")
     log(f"train_done steps:{steps} train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms")
     if rt.device.type == "cuda":
@@ -3391,13 +3526,13 @@ def score_artifact(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Score
     if cfg.sliding_eval_enabled:  # without it TTT's score is the only one at EVAL_STRIDE (as the records' TTT runs)
         score, key = scorer(model, cfg.eval_stride), "final_int6_sliding_window"
         log_score(log, key, score, f" stride:{cfg.eval_stride}")
-        if cfg.ttt_enabled and cfg.ttt_mode == "lora" and not cfg.doc_isolation:  # lora's gain is measured against it
+        if cfg.ttt_enabled and TTT_MODES[cfg.ttt_mode].per_doc_baseline and not cfg.doc_isolation:
             log_score(log, "final_int6_sliding_window_per_doc", scorer(model, cfg.eval_stride, per_doc=True),
                       f" stride:{cfg.eval_stride}")
     if cfg.ttt_enabled:
         if rt.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        score, key = (lora_ttt if cfg.ttt_mode == "lora" else sgd_ttt)(cfg, rt, model, scorer), "legal_ttt"
+        score, key = TTT_MODES[cfg.ttt_mode].score(cfg, rt, model, scorer), "legal_ttt"
         log_score(log, key, score)
         if rt.device.type == "cuda":  # training's cached blocks included: what the whole run needs
             log(f"ttt_peak_memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
@@ -3431,6 +3566,7 @@ def main() -> int:
         cfg = fit_to_limit(cfg, explicit, len(shipped_code(code)))
     warnings += cfg.unread(explicit)
     rt = init_runtime(cfg)
+    check_ttt_backend(cfg, rt)
     check_same_on_ranks({k: v for k, v in os.environ.items() if k.lower() in SETTINGS})
     claimed = claim_outputs(cfg, rt)
     if claimed.run_id != cfg.run_id:

@@ -490,10 +490,10 @@ def test_calibration_sums_x_transpose_x_in_fp32_under_autocast():
     that way was indefinite (GPTQ's Cholesky failed on an H200). observe keeps X^T X in fp32."""
     model = tg.build_model(tiny_cfg(), tg.Runtime())
     x = torch.randn(4, 64, 32).bfloat16()
-    model.hessians = {}
+    hessians = {}
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        model.observe(("attn.o",), 0, x)
-    h, want = model.hessians["attn.o", 0], x.double().reshape(-1, 32).T @ x.double().reshape(-1, 32)
+        tg.observe(hessians, ("attn.o",), 0, x)
+    h, want = hessians["attn.o", 0], x.double().reshape(-1, 32).T @ x.double().reshape(-1, 32)
     assert h.dtype == torch.float32
     # fp32 sums of 256 products of bf16 values (|x| <= ~4): entries up to ~256 (the diagonal), ~16 off it, ~1e-5
     # apart; a bf16 sum would be ~1 apart. Measured <= 0.04x this tolerance.
@@ -518,7 +518,7 @@ def test_calibrate_sums_each_matrix_input_over_batches_and_gptq_lowers_the_layer
     pairs = tg.TrainLoader(tg.shard_files(str(dataset), "train"), cfg, tg.Runtime(grad_accum_steps=2)).next_batch()
     h = tg.calibrate(model, loader, 2)
     banks = {(n, i) for n in tg.MATRICES for i in range(cfg.num_layers)}
-    assert set(h) == banks | {("head", 0)} and model.hessians is None
+    assert set(h) == banks | {("head", 0)}
     want, head = 0.0, 0.0
     with torch.no_grad():
         for ids, _ in pairs:
@@ -646,7 +646,9 @@ def test_prediction_counts_what_quantize_state_stores(monkeypatch, fields):
     """At 8 bits a code, 2 bytes a scale or fp16 value and no coder gain, the prediction is exactly the payload's
     tensor bytes: it classifies and counts every tensor as the export does."""
     cfg = tiny_cfg(**(QCFG | fields))
-    monkeypatch.setattr(tg, "PREDICT_BITS", {"q6": 8.0, "q8": 8.0})
+    for kind in ("q6", "q8"):
+        monkeypatch.setitem(tg.FORMATS, kind, replace(tg.FORMATS[kind], bits=lambda cfg, name: 8.0))
+    monkeypatch.setitem(tg.FORMATS, "f16", replace(tg.FORMATS["f16"], bits=lambda cfg, name: 16.0))
     monkeypatch.setattr(tg, "PREDICT_SIDE_BYTES", 2.0)
     packed = tg.quantize_state(random_model(cfg, seed=1).state_dict(), cfg)
     assert any(k.endswith(".q8") for k in packed) and any(k.endswith(".f16") for k in packed)

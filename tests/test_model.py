@@ -70,7 +70,7 @@ class PlainGPT(nn.Module):
     Depth recurrence is the explicitly unrolled layer list (shared modules); parallel residuals a two-lane loop
     written out from the 2026-03-31 record's description."""
 
-    def __init__(self, model: tg.GPT, transform=lambda w: w):
+    def __init__(self, model: tg.GPT, transform=lambda w: w, looping: bool = True):
         super().__init__()
         cfg = self.cfg = model.cfg
         L = cfg.num_layers
@@ -88,7 +88,7 @@ class PlainGPT(nn.Module):
             layer.up, layer.down = linear(model.mlp_up_bank[i]), linear(model.mlp_down_bank[i])
             self.layers.append(layer)
         self.p = {n: t.detach().clone() for n, t in model.named_parameters() if not n.endswith("_bank")}
-        self.order = unrolled_order(cfg, model.looping)
+        self.order = unrolled_order(cfg, looping)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         c, p = self.cfg, self.p
@@ -263,13 +263,8 @@ def test_doc_isolation_refuses_the_smear_without_its_bos_fix_and_gpu_backends(mo
     tiny = dict(NUM_LAYERS=2, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=1, VOCAB_SIZE=64, VE_LAYERS="1", DOC_ISOLATION=1)
     assert tg.init_runtime(make_cfg(**tiny, DEVICE="cpu"), {}).attn_backend == "math"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the check comes before any CUDA call
-    with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen, .* cudnn"):
+    with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen .* cudnn"):
         tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", ATTN_BACKEND="cudnn"), {})
-    with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen"):  # sgd TTT updates
-        tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", EVAL_ONLY="a.ptz", TTT_ENABLED=1, TTT_MODE="sgd"), {})
-    with pytest.raises(ValueError, match="TTT_MODE=sgd updates on math .* varlen"):  # its rows are not counted
-        tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", ATTN_BACKEND="varlen", TTT_ENABLED=1,
-                                 TTT_MODE="sgd"), {})
     with pytest.raises(ValueError, match="ATTN_BACKEND=varlen is DOC_ISOLATION=1's backend"):
         tg.init_runtime(make_cfg(**(tiny | dict(DOC_ISOLATION=0)), DEVICE="cuda", KERNELS="torch", ATTN_BACKEND="varlen"), {})
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)  # and keep this process's SDPA backends
@@ -282,6 +277,15 @@ def test_doc_isolation_refuses_the_smear_without_its_bos_fix_and_gpu_backends(mo
                     dict(TTT_ENABLED=1, TTT_MODE="sgd", TTT_EPOCHS=0)):
             rt = tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", EVAL_ONLY="a.ptz", **ttt), {})
             assert rt.attn_backend == "cudnn"  # scoring rows hold one document: no mask
+        sgd = dict(tiny, DEVICE="cuda", KERNELS="torch", TTT_ENABLED=1, TTT_MODE="sgd")
+        with pytest.raises(ValueError, match="TTT_MODE=sgd updates on ATTN_BACKEND=math .* cudnn"):  # its updates
+            cfg = make_cfg(**sgd, EVAL_ONLY="a.ptz")
+            tg.check_ttt_backend(cfg, tg.init_runtime(cfg, {}))
+        with pytest.raises(ValueError, match="TTT_MODE=sgd updates on ATTN_BACKEND=math .* varlen"):  # not counted
+            cfg = make_cfg(**sgd, ATTN_BACKEND="varlen")
+            tg.check_ttt_backend(cfg, tg.init_runtime(cfg, {}))
+        cfg = make_cfg(**sgd, TTT_EPOCHS=0, ATTN_BACKEND="varlen")  # scoring alone: any backend
+        tg.check_ttt_backend(cfg, tg.init_runtime(cfg, {}))
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
@@ -308,13 +312,12 @@ def test_loop_config_before_its_repeats_start_equals_plain_model():
     """Training runs the looped model without its repeats until ENABLE_LOOPING_AT: the same weights, order 0..L-1
     (U-Net over 5 positions), two lanes from layer 3 still."""
     model = feature_model("loop").double()
-    model.looping = False
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, model.cfg.vocab_size, (2, 32), generator=g)
-    ref = PlainGPT(model)
+    ref = PlainGPT(model, looping=False)
     assert ref.order == [0, 1, 2, 3, 4]
     with torch.no_grad():
-        got, want, looped = model.logits(ids), ref(ids), PlainGPT(feature_model("loop").double())(ids)
+        got, want, looped = model.logits(ids, mode=tg.Mode(looping=False)), ref(ids), PlainGPT(model)(ids)
     torch.testing.assert_close(got, want, rtol=ROPE_TOL, atol=ROPE_TOL)
     assert (looped - want).abs().max() > 1e-2  # the repeats change the function
 
@@ -452,11 +455,11 @@ def int6_reference(w: torch.Tensor, floor: float = 1 / 31) -> torch.Tensor:
     return torch.clamp(torch.round(w / s), -31, 31) * s
 
 
-def test_fake_quant_int6_grid_and_straight_through():
+def test_fake_quant_on_the_int6_grid_and_straight_through():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(6, 40, generator=g) * torch.tensor([0.01, 0.1, 0.5, 1.0, 3.0, 30.0])[:, None]
     w.requires_grad_(True)
-    q = tg.fake_quant_int6(w, 1 / 31)
+    q = tg.fake_quant(w, 31, 1 / 31)
     s = torch.clamp(w.detach().abs().amax(-1, keepdim=True) / 31, min=1 / 31).half().float()
     codes = q.detach() / s
     assert (codes - codes.round()).abs().max() < 1e-4 and codes.abs().max() <= 31 + 1e-4  # on the int6 grid
@@ -475,7 +478,7 @@ def test_qat_trains_on_the_grid_the_export_writes(floor):
     w = torch.randn(3, 7, 50, generator=g) * torch.tensor([0.003, 0.05, 2.0])[:, None, None]
     codes, scales = tg.quantize_rows(w.reshape(-1, 50), 31, (1.0,), floor)
     exported = (codes.float() * scales.float()[:, None]).view_as(w)
-    assert torch.equal(tg.fake_quant_int6(w, floor), exported)
+    assert torch.equal(tg.fake_quant(w, tg.FORMATS["q6"].qmax(tg.Hyperparameters()), floor), exported)
 
 
 def test_qat_forward_uses_int6_banks():
@@ -483,8 +486,7 @@ def test_qat_forward_uses_int6_banks():
     ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         plain = model.logits(ids)
-        model.qat_enabled = True
-        qat = model.logits(ids)
+        qat = model.logits(ids, mode=tg.Mode(qat=31))
         want = PlainGPT(model, transform=int6_reference)(ids)
     assert (qat - plain).abs().max() > 1e-3
     torch.testing.assert_close(qat, want, rtol=ROPE_TOL, atol=ROPE_TOL)

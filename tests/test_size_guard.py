@@ -18,6 +18,10 @@ import train_gpt as tg
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def bank_matrices(num_layers: int) -> dict[str, tuple[str, int]]:
+    return {f"blocks.{i}.{n}": (n, i) for n in tg.MATRICES for i in range(num_layers)}
+
+
 def spd(n: int, g: torch.Generator) -> torch.Tensor:
     x = torch.randn(4 * n, n, generator=g)
     return x.T @ x
@@ -28,7 +32,7 @@ def fixture_export(lqer: bool = True):
                    attn_clip_sigmas=0)  # the attention matrices at MATRIX_CLIP_SIGMAS
     model = perturbed_model(cfg, 5, bank_std=0.1, table_std=0.3)
     g = torch.Generator().manual_seed(0)
-    banked = tg.bank_matrix_names(cfg.num_layers)
+    banked = bank_matrices(cfg.num_layers)
     hessians = {banked[n]: spd(t.shape[1], g) for n, t in tg.unbank(model.state_dict(), cfg.num_layers).items()
                 if n in banked}
     return cfg, model, hessians
@@ -39,7 +43,7 @@ def test_code_errors_are_gptqs_objective_per_code():
     for every SD-clipped coded matrix; a clip-searched one (SD clip 0) is left out."""
     cfg, model, hessians = fixture_export(lqer=False)
     state = model.state_dict()
-    flat, banked = tg.unbank(state, cfg.num_layers), tg.bank_matrix_names(cfg.num_layers)
+    flat, banked = tg.unbank(state, cfg.num_layers), bank_matrices(cfg.num_layers)
     for h in (hessians, None):
         packed = tg.quantize_state(state, cfg, h)
         errors = tg.code_errors(packed, state, cfg, h)
@@ -87,14 +91,14 @@ def test_an_over_budget_artifact_is_quantized_again_on_coarser_grids(lqer):
     assert fit["unfitted"].keys() == packed.keys() and all(torch.equal(fit["unfitted"][k], packed[k]) for k in packed)
     errors, grids = tg.code_errors(packed, state, cfg, hessians), fit["grids"]
     assert grids and max(errors[n][0] for n in grids) <= min(errors[n][0] for n in errors if n not in grids)
-    fitted, flat, banked = tg.unpack_tensors(tg.decompress(blob))[1], tg.unbank(state, 2), tg.bank_matrix_names(2)
+    fitted, flat, banked = tg.unpack_tensors(tg.decompress(blob))[1], tg.unbank(state, 2), bank_matrices(2)
     for name, f in grids.items():
         codes, scale = tg.quantize_matrix(flat[name].float(), tg.clip_sigmas(cfg, banked[name][0]),
                                           cfg.int6_scale_floor, hessians[banked[name]], coarsen=f)
         assert f > 1 and torch.equal(scale, (packed[name + ".scale"].float() * f).half())
         assert torch.equal(fitted[name + ".q6"], codes) and torch.equal(fitted[name + ".scale"], scale)
     coded = {n + s for n in grids for s in (".q6", ".scale")}
-    lqer_keys = {k for k in packed if k.rsplit(".", 1)[1] in tg.LQER_KINDS}
+    lqer_keys = {k for k in packed if k.rsplit(".", 1)[1] in ("lqA", *tg.FORMATS["lqA"].parts)}
     assert all(torch.equal(fitted[k], packed[k]) for k in packed if k not in coded | lqer_keys)
     assert bool(lqer_keys) == lqer
 

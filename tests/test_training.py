@@ -65,16 +65,16 @@ def test_warmup_restores_weights_optimizer_and_data(dataset, tokenizer_path, mon
     real_step = tg.Trainer.step
 
     def spy(self, step, lr_scale):
-        seen.append(self.model.qat_enabled)
+        seen.append(bool(self.mode.qat))
         out = real_step(self, step, lr_scale)
         seen.append(float(self.model.qo_bank.detach().norm()))
         return out
     monkeypatch.setattr(tg.Trainer, "step", spy)
     tr.warmup()
     monkeypatch.undo()
-    assert seen[0::2] == [False, False, True]  # the last warmup step compiles the QAT variant
+    assert seen[0::2] == [False, False, True]  # the last warmup step compiles the QAT mode
     assert len(set(seen[1::2])) == 3  # the warmup really moved the weights
-    assert tr.model.qat_enabled is False
+    assert tr.mode.qat == 0
     assert_same(dict(tr.model.state_dict()), weights, "weights")
     assert_same(tr.opt.state_dict(), opt_state, "optimizer")
     if steps_before == 0:
@@ -84,23 +84,23 @@ def test_warmup_restores_weights_optimizer_and_data(dataset, tokenizer_path, mon
 
 
 @pytest.mark.parametrize("at, steps, want", [
-    (0.35, 4, [(False, False), (False, False), (True, False), (True, True)]),  # repeats, then late QAT
-    (0.0, 4, [(True, False)] * 3 + [(True, True)]),  # the repeats from the start: two variants
-    (0.35, 2, [(False, False), (True, False)]),  # too few steps: the first variants, and a warning
+    (0.35, 4, [(False, 0), (False, 0), (True, 0), (True, 31)]),  # repeats, then late QAT (the int6 grid)
+    (0.0, 4, [(True, 0)] * 3 + [(True, 31)]),  # the repeats from the start: two modes
+    (0.35, 2, [(False, 0), (True, 0)]),  # too few steps: the first modes, and a warning
 ])
-def test_warmup_compiles_each_variant_the_timed_loop_will_run(dataset, tokenizer_path, monkeypatch, at, steps, want):
+def test_warmup_compiles_each_mode_the_timed_loop_will_run(dataset, tokenizer_path, monkeypatch, at, steps, want):
     lines = []
     tr = make_trainer(dataset, tokenizer_path, log=lines.append, WARMUP_STEPS=steps, LATE_QAT_THRESHOLD=0.15,
                       ENABLE_LOOPING_AT=at, **LOOPS)
     seen, real_step = [], tg.Trainer.step
 
     def spy(self, step, lr_scale):
-        seen.append(self.variant())
+        seen.append(self.mode)
         return real_step(self, step, lr_scale)
     monkeypatch.setattr(tg.Trainer, "step", spy)
     tr.warmup()
     assert seen == want
-    assert tr.variant() == (False, False)  # restored: train() switches the repeats on at ENABLE_LOOPING_AT
+    assert tr.mode == (False, 0)  # restored: train() switches the repeats on at ENABLE_LOOPING_AT
     assert any("will compile (and capture) inside the timed window" in x for x in lines) == (steps < 3)
 
 
@@ -121,7 +121,7 @@ def test_cuda_graphs_need_cuda(dataset, tokenizer_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_train_exactly_as_eager(dataset, tokenizer_path):
-    """Warmup (it captures the plain, the looped and the late-QAT variant), then steps through them: losses and
+    """Warmup (it captures the plain, the looped and the late-QAT mode), then steps through them: losses and
     weights bit-identical to the same run without graphs; the .grad buffers are never replaced."""
     cuda = torch.device("cuda")
     runs = [make_trainer(dataset, tokenizer_path, device=cuda, CUDA_GRAPHS=g, WARMUP_STEPS=3, LATE_QAT_THRESHOLD=0.15,
@@ -132,11 +132,11 @@ def test_cuda_graphs_train_exactly_as_eager(dataset, tokenizer_path):
         buffers = [p.grad for p in tr.model.parameters()]
         out = []
         for s in range(6):
-            tr.model.looping, tr.model.qat_enabled = s >= 2, s >= 4
+            tr.mode = tg.Mode(s >= 2, 31 * (s >= 4))
             out.append(tr.step(s, 1.0).item())
         losses.append(out)
         if tr.graphed:
-            assert sorted(tr.graphs) == [(False, False), (True, False), (True, True)]
+            assert sorted(tr.graphs) == [(False, 0), (True, 0), (True, 31)]
             assert all(a is b for a, b in zip(buffers, (p.grad for p in tr.model.parameters())))
     assert losses[0] == losses[1]
     assert_same(dict(runs[0].model.state_dict()), dict(runs[1].model.state_dict()), "weights")
@@ -218,7 +218,7 @@ def _run_with_fake_clock(dataset, tokenizer_path, monkeypatch, step_ms, ema_ms, 
     tr = make_trainer(dataset, tokenizer_path, log=lines.append, **overrides)
 
     def fake_step(step, lr_scale):
-        record.append((step, lr_scale, tr.model.qat_enabled, tr.model.looping))
+        record.append((step, lr_scale, bool(tr.mode.qat), tr.mode.looping))
         clock.ms += step_ms(step) if callable(step_ms) else step_ms
         return torch.tensor(1.0)
 
@@ -308,12 +308,12 @@ def test_a_checkpoint_keeps_whether_the_repeats_run(dataset, tokenizer_path, mon
     monkeypatch.chdir(tmp_path)
     (tmp_path / "logs").mkdir()
     tr = make_trainer(dataset, tokenizer_path, **LOOPS)
-    assert tr.model.looping is False  # a trainer starts without them
-    tr.model.looping = True
+    assert tr.mode.looping is False  # a trainer starts without them
+    tr.mode = tr.mode._replace(looping=True)
     tr.save_checkpoint(None, dict(tr.clock))
     other = make_trainer(dataset, tokenizer_path, **LOOPS)
     other.load(tg.read_checkpoint(str(tr.ckpt_path)), None)
-    assert other.model.looping is True and other.clock["loop"] is True
+    assert other.mode.looping is True and other.clock["loop"] is True
 
 
 def test_capped_run_that_reaches_iterations_first_has_warmdown_and_full_progress(dataset, tokenizer_path, monkeypatch):

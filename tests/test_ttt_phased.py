@@ -40,9 +40,9 @@ def observed_run(cfg, tokens, monkeypatch, rank: int = 0, world_size: int = 1):
         calls.append(list(spans))
         return real_sgd(cfg_, rt, model, scorer, fn, spans)
 
-    def reset(self, keep_a=False):
+    def reset(self, keep=False):
         events.append(~probe["nll"].isnan())
-        return real_reset(self, keep_a)
+        return real_reset(self, keep)
     monkeypatch.setattr(tg, "global_sgd", sgd)
     monkeypatch.setattr(tg.DocLoRA, "reset", reset)
     scorer = make_scorer(cfg, tokens, make_luts(), rank=rank, world_size=world_size)
@@ -107,9 +107,9 @@ def test_a_is_reset_after_each_phase(monkeypatch):
     cfg, seen = lora_cfg(**PHASED, ttt_warm_start_a=True), []
     real = tg.DocLoRA.reset
 
-    def reset(self, keep_a=False):
-        seen.append(keep_a)
-        return real(self, keep_a)
+    def reset(self, keep=False):
+        seen.append(keep)
+        return real(self, keep)
     monkeypatch.setattr(tg.DocLoRA, "reset", reset)
     scorer = make_scorer(cfg, make_stream(270), make_luts())
     tg.lora_ttt(cfg, scorer.rt, model_for(cfg), scorer)

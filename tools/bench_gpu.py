@@ -185,7 +185,7 @@ def main() -> None:
         if tg._distributed():
             torch.distributed.destroy_process_group()
         return
-    model.looping = cfg.num_loops > 0  # NUM_LOOPS: time the step after ENABLE_LOOPING_AT (warmup compiled it)
+    trainer.mode = tg.Mode(cfg.num_loops > 0)  # NUM_LOOPS: time the step after ENABLE_LOOPING_AT (warmup compiled it)
     ema = tg.EMA(model, cfg.ema_horizon, cfg.ema_decay) if cfg.ema_enabled else None
     if not trainer.graphed:  # with graphs the activations live in the graph's pool, allocated at capture (warmup)
         torch.cuda.reset_peak_memory_stats()
@@ -255,12 +255,11 @@ def main() -> None:
     if args.qat_check:  # after the timed steps, so out/down banks are non-zero and QAT can matter
         x, y = loader.next_batch()[0]
         losses = []
-        with tg.autocast(rt.device):  # grad mode on, as in training: the variants warmup compiled
-            for qat in (False, True, False):
-                model.qat_enabled = qat
+        with tg.autocast(rt.device):  # grad mode on, as in training: the modes warmup compiled
+            for qat in (0, trainer.qat_grid, 0):
                 t = time.perf_counter()
-                losses.append((trainer.fwd(x, y).item(), 1000 * (time.perf_counter() - t)))
-        model.qat_enabled = False
+                losses.append((trainer.fwd(x, y, trainer.mode._replace(qat=qat)).item(),
+                               1000 * (time.perf_counter() - t)))
         if rt.is_main:
             print("qat_check " + " ".join(f"{name}_loss:{l:.6f} {name}_ms:{ms:.1f}" for name, (l, ms)
                                           in zip(("off", "on", "off_again"), losses)))
