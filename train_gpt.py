@@ -79,35 +79,37 @@ def setting(default, meaning: str, allowed: str | tuple | Callable = "", model: 
 class Hyperparameters:
     # --- run / data
     data_path: str = setting("./data/datasets/fineweb10B_sp8192_lossless_caps_caseops_v1_reserved", "folder of "
-                       "fineweb_{train,val}_*.bin shards (and fineweb_val_bytes_*.bin: each val token's bytes)")
+                             "fineweb_{train,val}_*.bin shards (and fineweb_val_bytes_*.bin: each val token's bytes)")
     tokenizer_path: str = setting("./data/tokenizers/fineweb_8192_bpe_lossless_caps_caseops_v1_reserved.model",
-                            "SentencePiece model (val_bpb's bytes too, without fineweb_val_bytes_*.bin)")
+                                  "SentencePiece model (val_bpb's bytes too, without fineweb_val_bytes_*.bin)")
     run_id: str = setting("", "log logs/<RUN_ID>.txt (letters, digits, -_.); empty = random; a taken one gets a suffix")
     seed: int = setting(1337, "torch/numpy seed: init and nothing else (data order is fixed)", (0, 2 ** 32 - 1))
     vocab_size: int = setting(8192, "must equal the tokenizer's vocabulary (shards store uint16 ids)", (1, 65536), True)
     device: str = setting("auto", "auto = cuda if available, else cpu", ("auto", "cuda", "cpu"))
-    eval_only: str = setting("", "path of an existing artifact: skip training, score it (the model settings are its own)")
-    artifact_path: str = setting("", "where the artifact is written (its folder must exist); empty = logs/<RUN_ID>.int6.ptz")
+    eval_only: str = setting("", "path of an existing artifact: skip training, score it (the model settings are its "
+                             "own)")
+    artifact_path: str = setting("", "where the artifact is written (its folder must exist); empty = "
+                                 "logs/<RUN_ID>.int6.ptz")
     checkpoint_every: float = setting(0.0, "seconds of training between checkpoints logs/<RUN_ID>.ckpt (0 = off)",
-                                NON_NEGATIVE)
+                                      NON_NEGATIVE)
     resume: str = setting("", "checkpoint to continue from; settings the environment leaves unset are the checkpoint's")
     # --- schedule
     iterations: int = setting(20000, "max optimizer steps", NON_NEGATIVE)
     warmup_steps: int = setting(20, "compile warmup steps, then weights/optimizer/data are restored", NON_NEGATIVE)
-    warmdown_frac: float = setting(0.85, "linear lr decay over this last fraction of the run (steps, or the wallclock cap)",
-                             (0, 1), on="warmdown_iters=0")
+    warmdown_frac: float = setting(0.85, "linear lr decay over this last fraction of the run (steps, or the wallclock "
+                                   "cap)", (0, 1), on="warmdown_iters=0")
     warmdown_iters: int = setting(0, "the reference's form instead: over the last N steps (as many average steps when "
-                            "capped); 0 = WARMDOWN_FRAC", NON_NEGATIVE)
+                                  "capped); 0 = WARMDOWN_FRAC", NON_NEGATIVE)
     max_wallclock_seconds: float = setting(600.0, "training cap (0 = by steps); a step starts only if CAP_MARGIN fits",
-                                     NON_NEGATIVE)
+                                           NON_NEGATIVE)
     train_batch_tokens: int = setting(786432, "global tokens per optimizer step", POSITIVE)
     train_seq_len: int = setting(2048, "training sequence length (tokens)", POSITIVE)
     grad_accum_steps: int = setting(0, "0 = max(1, 8 // WORLD_SIZE): same global batch for 1..8 GPUs", NON_NEGATIVE)
     compile_enabled: str = setting("auto", "torch.compile: auto = on for CUDA, off for CPU", ("auto", "0", "1"))
     cuda_graphs: str = setting("auto", "each micro-batch's forward+backward as one CUDA graph: auto = on for CUDA",
-                         ("auto", "0", "1"))
+                               ("auto", "0", "1"))
     train_sampling: str = setting("sequential", "sequential (shards in order) | coprime (strided over all shards)",
-                            ("sequential", "coprime"))
+                                  ("sequential", "coprime"))
     # --- model
     num_layers: int = setting(11, "transformer blocks", POSITIVE, True)
     model_dim: int = setting(512, "residual width", POSITIVE, True)
@@ -117,50 +119,55 @@ class Hyperparameters:
     mlp_negative_slope: float = setting(0.5, "LeakyReLU(slope)^2 MLP; 0 = relu^2", NON_NEGATIVE, True)
     tie_embeddings: bool = setting(True, "output head = token embedding", model=True)
     tied_embed_init_std: float = setting(0.005, "token embedding init std", NON_NEGATIVE)
-    rope_base: float = setting(10000.0, "explicit: no silent length rescaling (the reference's ran at ~22,082)", POSITIVE,
-                         True)
-    rope_dims: int = setting(16, "partial RoPE: rotate the first ROPE_DIMS of each head (even, <= head dim)", model=True)
+    rope_base: float = setting(10000.0, "explicit: no silent length rescaling (the reference's ran at ~22,082)",
+                               POSITIVE, True)
+    rope_dims: int = setting(16, "partial RoPE: rotate the first ROPE_DIMS of each head (even, <= head dim)",
+                             model=True)
     logit_softcap: float = setting(30.0, "tanh softcap on logits (0 = off)", NON_NEGATIVE, True)
     qk_gain_init: float = setting(5.0, "per-head query gain after q/k RMSNorm")
     ln_scale: bool = setting(True, "scale block inputs by 1/sqrt(layer+1)", model=True)
     xsa_last_n: int = setting(11, "exclusive self-attention on the last N layers", NON_NEGATIVE, True)
     bigram_vocab_size: int = setting(0, "BigramHash buckets (0 = off)", NON_NEGATIVE, True)
-    bigram_dim: int = setting(128, "BigramHash table width (projected to MODEL_DIM)", POSITIVE, True, "bigram_vocab_size")
-    smear_enabled: bool = setting(False, "the seed's SmearGate: per-channel mix with the previous position, after the norm",
-                            model=True)
+    bigram_dim: int = setting(128, "BigramHash table width (projected to MODEL_DIM)", POSITIVE, True,
+                              "bigram_vocab_size")
+    smear_enabled: bool = setting(False, "the seed's SmearGate: per-channel mix with the previous position, after the "
+                                  "norm", model=True)
     ve_enabled: bool = setting(False, "shared value embedding added to V", model=True)
     ve_dim: int = setting(128, "value-embedding table width (projected to the KV width)", POSITIVE, True, "ve_enabled")
     ve_layers: str = setting("-2,-1", "comma-separated layers; negative ones count back from NUM_LAYERS (-1: the last)",
-                       model=True, on="ve_enabled")
-    num_loops: int = setting(2, "depth recurrence: LOOP_START..LOOP_END run NUM_LOOPS more times (0 = off)", NON_NEGATIVE,
-                       True)
+                             model=True, on="ve_enabled")
+    num_loops: int = setting(2, "depth recurrence: LOOP_START..LOOP_END run NUM_LOOPS more times (0 = off)",
+                             NON_NEGATIVE, True)
     loop_start: int = setting(3, "first layer of the looped segment (a shallower model: clamped, as LOOP_END)",
-                        NON_NEGATIVE, True, "num_loops")
-    loop_end: int = setting(5, "last layer of the looped segment (inclusive; NUM_LAYERS - 1 at most)", NON_NEGATIVE, True,
-                      "num_loops")
+                              NON_NEGATIVE, True, "num_loops")
+    loop_end: int = setting(5, "last layer of the looped segment (inclusive; NUM_LAYERS - 1 at most)", NON_NEGATIVE,
+                            True, "num_loops")
     enable_looping_at: float = setting(0.35, "training progress at which the repeats start (scoring always runs them)",
-                                 FRACTION, on="num_loops")
+                                       FRACTION, on="num_loops")
     # The 2026-04-27 record's lanes, gates and optimizer settings (below, on by default) together: -0.033 bpb on
     # pqb-t at equal time for +5.2% record step (lanes -0.008, the rest -0.025)
-    parallel_start_layer: int = setting(8, "decoder layers from this one on: two residual lanes (0 = off)", NON_NEGATIVE,
-                                  True)
-    parallel_final_lane: str = setting("mean", "what leaves the two lanes: mean | attn | mlp", ("mean", "attn", "mlp"), True)
-    skip_gates_enabled: bool = setting(True, "U-Net skips through a gate: sig(g) x + (1 - sig(g)) skip, g0 = 0", model=True)
-    sparse_attn_gate_enabled: bool = setting(True, "per-head attention output x sig(SCALE W h[:GATE_WINDOW])", model=True)
+    parallel_start_layer: int = setting(8, "decoder layers from this one on: two residual lanes (0 = off)",
+                                        NON_NEGATIVE, True)
+    parallel_final_lane: str = setting("mean", "what leaves the two lanes: mean | attn | mlp", ("mean", "attn", "mlp"),
+                                       True)
+    skip_gates_enabled: bool = setting(True, "U-Net skips through a gate: sig(g) x + (1 - sig(g)) skip, g0 = 0",
+                                       model=True)
+    sparse_attn_gate_enabled: bool = setting(True, "per-head attention output x sig(SCALE W h[:GATE_WINDOW])",
+                                             model=True)
     sparse_attn_gate_scale: float = setting(0.5, "SCALE of the sparse gate", POSITIVE, True, "sparse_attn_gate_enabled")
     sparse_attn_gate_init_std: float = setting(0.0, "its W's init std (0 = zeros)", NON_NEGATIVE,
-                                         on="sparse_attn_gate_enabled")
-    smear_gate_enabled: bool = setting(True, "the 04-27 record's SmearGate, before the norm: e_t += lam sig(w e_t[:GATE_WINDOW]) "
-                                 "e_(t-1) (w, lam zero: identity at init)", model=True)
-    gate_window: int = setting(12, "leading channels the sparse gate (of h) and the SmearGate (of e) read", POSITIVE, True,
-                         "sparse_attn_gate_enabled|smear_gate_enabled")
+                                               on="sparse_attn_gate_enabled")
+    smear_gate_enabled: bool = setting(True, "the 04-27 record's SmearGate, before the norm: e_t += lam sig(w "
+                                       "e_t[:GATE_WINDOW]) e_(t-1) (w, lam zero: identity at init)", model=True)
+    gate_window: int = setting(12, "leading channels the sparse gate (of h) and the SmearGate (of e) read", POSITIVE,
+                               True, "sparse_attn_gate_enabled|smear_gate_enabled")
     smear_bos_fix: bool = setting(True, "SmearGate mixes nothing into a document's BOS from the one before", model=True)
     doc_isolation: bool = setting(True, "nothing crosses a BOS: block-diagonal attention, BigramHash (train and score)",
-                            model=True)
-    attn_backend: str = setting("auto", "auto on CUDA: varlen to train with DOC_ISOLATION, else fa3 if importable, else "
-                          "SDPA cudnn; math on CPU", ("auto", "fa3", "flash", "cudnn", "math", "varlen"))
-    kernels: str = setting("auto", "q/k norm+RoPE, XSA, softcap CE: auto = triton on CUDA, torch ops on CPU (triton there "
-                     "needs TRITON_INTERPRET=1)", ("auto", "triton", "torch"))
+                                  model=True)
+    attn_backend: str = setting("auto", "auto on CUDA: varlen to train with DOC_ISOLATION, else fa3 if importable, "
+                                "else SDPA cudnn; math on CPU", ("auto", "fa3", "flash", "cudnn", "math", "varlen"))
+    kernels: str = setting("auto", "q/k norm+RoPE, XSA, softcap CE: auto = triton on CUDA, torch ops on CPU (triton "
+                           "there needs TRITON_INTERPRET=1)", ("auto", "triton", "torch"))
     # --- optimizer
     matrix_lr: float = setting(0.026, "Muon lr for the four banks", NON_NEGATIVE)
     scalar_lr: float = setting(0.02, "AdamW lr for control tensors and small projections", NON_NEGATIVE)
@@ -175,8 +182,8 @@ class Hyperparameters:
     muon_row_normalize: bool = setting(True, "MuonEq-R: each row of the update divided by its norm before NS")
     muon_wd: float = setting(0.095, "decoupled weight decay on the banks", NON_NEGATIVE)
     min_lr: float = setting(0.1, "floor of the lr scale in the warmdown (must stay below LATE_QAT_THRESHOLD)", FRACTION)
-    muon_reduce_dtype: str = setting("auto", "bank grad reduce-scatter, momentum and NS dtype: auto = bf16 CUDA, fp32 CPU",
-                               ("auto", "bf16", "fp32"))
+    muon_reduce_dtype: str = setting("auto", "bank grad reduce-scatter, momentum and NS dtype: auto = bf16 CUDA, fp32 "
+                                     "CPU", ("auto", "bf16", "fp32"))
     adam_wd: float = setting(0.02, "AdamW weight decay of the control tensors and small projections", NON_NEGATIVE)
     embed_wd: float = setting(0.085, "AdamW weight decay of the embedding tables (not the untied head)", NON_NEGATIVE)
     beta1: float = setting(0.9, "AdamW beta1", FRACTION)
@@ -186,92 +193,95 @@ class Hyperparameters:
     # --- averaging / QAT
     ema_enabled: bool = setting(True, "keep an EMA of all weights and export it")
     ema_decay: float = setting(0.9965, "fixed per-step decay (the reference's 0.997); 0 = from EMA_HORIZON", FRACTION,
-                         on="ema_enabled")
-    ema_horizon: float = setting(0.08, "EMA time constant, a fraction of the run (steps, or the wallclock cap)", NON_NEGATIVE,
-                           on="ema_decay=0")
+                               on="ema_enabled")
+    ema_horizon: float = setting(0.08, "EMA time constant, a fraction of the run (steps, or the wallclock cap)",
+                                 NON_NEGATIVE, on="ema_decay=0")
     late_qat_threshold: float = setting(0.0, "fake-quantize banks to int6 once lr scale < this (0 = off)", (0, 1))
     # --- eval / logging / export
     eval_seq_len: int = setting(2048, "sliding-window scoring window", POSITIVE)
     eval_stride: int = setting(64, "tokens scored per window (after the first)", POSITIVE)
-    sliding_eval_enabled: bool = setting(True, "the EVAL_STRIDE sliding scores (7.7 + 2.4 s on the proxy, H200); 0 (needs "
-                                   "TTT): skip")
+    sliding_eval_enabled: bool = setting(True, "the EVAL_STRIDE sliding scores (7.7 + 2.4 s on the proxy, H200); 0 "
+                                         "(needs TTT): skip")
     val_loss_every: int = setting(0, "plain val scoring every N steps (0 = only at the end)", NON_NEGATIVE)
     val_batch_size: int = setting(524288, "scoring tokens per forward over all ranks x grad-accum slots", POSITIVE)
     train_log_every: int = setting(500, "train_loss line every N steps (and the first 10)", NON_NEGATIVE)
     compressor: str = setting("rans", "rans (context-modelled rANS, the smallest) | fast (zstd-3 for sweeps: 0.2 s)",
-                        ("rans", "fast"))
-    int6_scale_floor: float = setting(FP16_MIN_NORMAL, "floor on int6 row scales (the default, fp16's smallest normal, "
-                                "floors no trained row; the sp1024 stack's 1/31 coarsens tiny rows)")
+                              ("rans", "fast"))
+    int6_scale_floor: float = setting(FP16_MIN_NORMAL, "floor on int6 row scales (the default, fp16's smallest "
+                                      "normal, floors no trained row; the sp1024 stack's 1/31 coarsens tiny rows)")
     matrix_clip_sigmas: float = setting(12.85, "bank row scale = k * std(row) / 31 (SD clip); 0 = the clip search",
-                                  NON_NEGATIVE)
+                                        NON_NEGATIVE)
     mlp_clip_sigmas: float = setting(11.5, "SD clip k of the MLP matrices; 0 = MATRIX_CLIP_SIGMAS", NON_NEGATIVE)
     attn_clip_sigmas: float = setting(13.0, "SD clip k of the attention matrices; 0 = MATRIX_CLIP_SIGMAS", NON_NEGATIVE)
     embed_bits: int = setting(7, "bits of the big tables' codes (EMBED_TABLES, an untied head)", (4, 8))
-    embed_clip_sigmas: float = setting(14.0, "their row scale = k * std(row) / (2^(EMBED_BITS-1) - 1); 0 = |w| quantile "
-                                 "clip", NON_NEGATIVE)
-    lqer_enabled: bool = setting(True, "LQER: the quantization error's rank-LQER_RANK SVD stored for the worst matrices")
+    embed_clip_sigmas: float = setting(14.0, "their row scale = k * std(row) / (2^(EMBED_BITS-1) - 1); 0 = |w| "
+                                       "quantile clip", NON_NEGATIVE)
+    lqer_enabled: bool = setting(True, "LQER: the quantization error's rank-LQER_RANK SVD stored for the worst "
+                                 "matrices")
     lqer_rank: int = setting(4, "rank of each correction A B (A int2, B int4)", POSITIVE, on="lqer_enabled")
-    lqer_top_k: int = setting(3, "the matrices corrected: largest error norm ||W - Q||_F first", POSITIVE, on="lqer_enabled")
-    lqer_asym_group: int = setting(64, "B's int4 scale group (one that does not divide B: A and B int4 per row)", POSITIVE,
-                             on="lqer_enabled")
+    lqer_top_k: int = setting(3, "the matrices corrected: largest error norm ||W - Q||_F first", POSITIVE,
+                              on="lqer_enabled")
+    lqer_asym_group: int = setting(64, "B's int4 scale group (one that does not divide B: A and B int4 per row)",
+                                   POSITIVE, on="lqer_enabled")
     gptq_calibration_batches: int = setting(16, "GPTQ's X^T X from this many train micro-batches per rank (0 = off)",
-                                      NON_NEGATIVE)
+                                            NON_NEGATIVE)
     # 16 batches took 1.9 s at 65,536-token micro-batches (one H200; the record's 2.3 s there, 3.5-3.6 s in later
     # records' 8xH100 logs at 98,304): about 3 s, and 1.5 s of margin (the later records' safe setting)
     gptq_reserve_seconds: float = setting(4.5, "training stops this much before the wallclock cap, for the calibration",
-                                    NON_NEGATIVE, on="gptq_calibration_batches")
-    auto_size: float = setting(0.0, "MLP width (or bigram table, MLP_MULT set) filling this fraction of the limit (0 = off)",
-                         FRACTION)
+                                          NON_NEGATIVE, on="gptq_calibration_batches")
+    auto_size: float = setting(0.0, "MLP width (or bigram table, MLP_MULT set) filling this fraction of the limit (0 "
+                               "= off)", FRACTION)
     # --- legal test-time training (score first, then train; after the final scoring)
     ttt_enabled: bool = setting(True, "run legal TTT on the read-back artifact and log legal_ttt")
     # lora gained 0.0089 / 0.0081 on the defaults' pqb artifacts (seeds 1337 / 42), sgd 0.0011 on the first
-    ttt_mode: str = setting("lora", "lora: per-document LoRA adapters; sgd: full-parameter SGD over the stream's chunks",
-                      lambda: tuple(TTT_MODES), on="ttt_enabled")
+    ttt_mode: str = setting("lora", "lora: per-document LoRA adapters; sgd: full-parameter SGD over the stream's "
+                            "chunks", lambda: tuple(TTT_MODES), on="ttt_enabled")
     ttt_lr: float = setting(0.006, "lr, cosine-decayed over chunks (0.006 beat the reference's 0.002 on the PQB)",
-                      NON_NEGATIVE, on="ttt_mode=sgd")
+                            NON_NEGATIVE, on="ttt_mode=sgd")
     ttt_epochs: int = setting(3, "passes over each chunk after it is scored (0 = score only)", NON_NEGATIVE,
-                        on="ttt_mode=sgd")
+                              on="ttt_mode=sgd")
     ttt_chunk_tokens: int = setting(32768, "targets per chunk", POSITIVE, on="ttt_mode=sgd")
     ttt_freeze_blocks: int = setting(0, "first N blocks stay frozen", NON_NEGATIVE, on="ttt_mode=sgd")
     ttt_momentum: float = setting(0.9, "SGD momentum", FRACTION, on="ttt_mode=sgd")
-    ttt_batch_seqs: int = setting(32, "sequences (TRAIN_SEQ_LEN) per TTT step, over all ranks", POSITIVE, on="ttt_mode=sgd")
+    ttt_batch_seqs: int = setting(32, "sequences (TRAIN_SEQ_LEN) per TTT step, over all ranks", POSITIVE,
+                                  on="ttt_mode=sgd")
     ttt_grad_clip: float = setting(1.0, "global grad-norm clip", POSITIVE, on="ttt_mode=sgd")
     ttt_lora_rank: int = setting(80, "adapter rank (q, k, v, o and MLP of every layer, and the head)", POSITIVE,
-                           on="ttt_mode=lora")
+                                 on="ttt_mode=lora")
     ttt_lora_alpha: float = setting(144.0, "adapter output x ALPHA / RANK", POSITIVE, on="ttt_mode=lora")
     ttt_lora_lr: float = setting(3e-4, "AdamW lr (betas 0, 0.99; eps 1e-10); 3e-4 gained 0.0085 on pqb, 1e-4 0.0053",
-                           POSITIVE, on="ttt_mode=lora")
+                                 POSITIVE, on="ttt_mode=lora")
     ttt_weight_decay: float = setting(0.5, "AdamW weight decay of the adapters", NON_NEGATIVE, on="ttt_mode=lora")
-    ttt_grad_steps: int = setting(1, "AdamW steps on a chunk after it is scored (0 = score only); 2 at lr 1e-4: -0.0063 vs "
-                            "-0.0055, twice the time", NON_NEGATIVE, on="ttt_mode=lora")
-    ttt_chunk_size: int = setting(64, "targets per chunk of a document (scored, then trained on); EVAL_STRIDE: a window each",
-                            POSITIVE, on="ttt_mode=lora")
+    ttt_grad_steps: int = setting(1, "AdamW steps on a chunk after it is scored (0 = score only); 2 at lr 1e-4: "
+                                  "-0.0063 vs -0.0055, twice the time", NON_NEGATIVE, on="ttt_mode=lora")
+    ttt_chunk_size: int = setting(64, "targets per chunk of a document (scored, then trained on); EVAL_STRIDE: a "
+                                  "window each", POSITIVE, on="ttt_mode=lora")
     ttt_batch_size: int = setting(64, "documents per lockstep batch (rows of a step) on each rank", POSITIVE,
-                            on="ttt_mode=lora")
-    ttt_short_score_first_steps: str = setting("", "smaller chunks for short documents: LEN:CHUNK,... (a document of at "
-                                         "most LEN targets: CHUNK; the records' 256:8,2000:24); empty = off",
-                                         on="ttt_mode=lora")
-    ttt_warm_start_a: bool = setting(False, "keep the adapters' A from batch to batch (B and AdamW restart; A goes back to its "
-                               "initial draw after each phase): a document no longer scores as if alone",
-                               on="ttt_mode=lora")
+                                  on="ttt_mode=lora")
+    ttt_short_score_first_steps: str = setting("", "smaller chunks for short documents: LEN:CHUNK,... (a document of "
+                                               "at most LEN targets: CHUNK; the records' 256:8,2000:24); empty = off",
+                                               on="ttt_mode=lora")
+    ttt_warm_start_a: bool = setting(False, "keep the adapters' A from batch to batch (B and AdamW restart; A goes "
+                                     "back to its initial draw after each phase): a document no longer scores as if "
+                                     "alone", on="ttt_mode=lora")
     ttt_q_lora: bool = setting(True, "adapters on q (the head's is always on)", on="ttt_mode=lora")
     ttt_k_lora: bool = setting(True, "adapters on k", on="ttt_mode=lora")
     ttt_v_lora: bool = setting(True, "adapters on v", on="ttt_mode=lora")
     ttt_o_lora: bool = setting(True, "adapters on the attention output", on="ttt_mode=lora")
     ttt_mlp_lora: bool = setting(True, "adapters on the MLP output", on="ttt_mode=lora")
-    phased_ttt_prefix_docs: int = setting(0, "phased global SGD: the first N documents lora scores (longest first) train "
-                                    "the base weights in phases, after they are scored (0 = off; the records' 2,500: "
-                                    "-0.0022 on the proxy; a rank's share 422-455 s on H200s, 454-486 on an H100: "
-                                    "past 450)", NON_NEGATIVE, on="ttt_mode=lora")
+    phased_ttt_prefix_docs: int = setting(0, "phased global SGD: the first N documents lora scores (longest first) "
+                                          "train the base weights in phases, after they are scored (0 = off; the "
+                                          "records' 2,500: -0.0022 on the proxy; a rank's share 422-455 s on H200s, "
+                                          "454-486 on an H100: past 450)", NON_NEGATIVE, on="ttt_mode=lora")
     phased_ttt_num_phases: int = setting(3, "phases of the prefix; after phase k, SGD on its first k/N (cumulative)",
-                                   POSITIVE, on="phased_ttt_prefix_docs")
+                                         POSITIVE, on="phased_ttt_prefix_docs")
     global_ttt_lr: float = setting(0.001, "the phases' SGD lr, cosine over the chunks", NON_NEGATIVE,
-                             on="phased_ttt_prefix_docs")
+                                   on="phased_ttt_prefix_docs")
     global_ttt_momentum: float = setting(0.9, "the phases' SGD momentum", FRACTION, on="phased_ttt_prefix_docs")
     global_ttt_epochs: int = setting(1, "passes over a phase's documents", NON_NEGATIVE, on="phased_ttt_prefix_docs")
     global_ttt_chunk_tokens: int = setting(32768, "tokens per SGD step, as CHUNK_TOKENS // EVAL_SEQ_LEN rows of one "
-                                     "document each (the last step's are not trained on, as in the records)",
-                                     POSITIVE, on="phased_ttt_prefix_docs")
+                                           "document each (the last step's are not trained on, as in the records)",
+                                           POSITIVE, on="phased_ttt_prefix_docs")
     global_ttt_grad_clip: float = setting(1.0, "the phases' grad-norm clip", POSITIVE, on="phased_ttt_prefix_docs")
 
     @classmethod
@@ -355,8 +365,10 @@ class Hyperparameters:
         given = [int(s) for s in self.ve_layers.split(",") if s.strip()]
         require(not self.ve_enabled or all(-self.num_layers <= i < self.num_layers for i in given),
              "VE_LAYERS outside -NUM_LAYERS..NUM_LAYERS-1")
-        require(len(set(self.ve_layer_list)) == len(self.ve_layer_list), f"VE_LAYERS={self.ve_layers} names a layer twice")
-        require(not self.ema_enabled or self.ema_horizon > 0 or self.ema_decay > 0, "EMA_HORIZON must be > 0 (or set EMA_DECAY)")
+        require(len(set(self.ve_layer_list)) == len(self.ve_layer_list), f"VE_LAYERS={self.ve_layers} names a "
+                "layer twice")
+        require(not self.ema_enabled or self.ema_horizon > 0 or self.ema_decay > 0, "EMA_HORIZON must be > 0 (or "
+                "set EMA_DECAY)")
         require(self.num_loops == 0 or self.loop_start <= self.loop_end, "LOOP_START must be <= LOOP_END")
         for looping in (False, True):  # once two lanes, always two: a serial layer after them has no one residual
             lanes = parallel_positions(self, looping)
@@ -370,7 +382,8 @@ class Hyperparameters:
         require(self.late_qat_threshold == 0 or self.min_lr < self.late_qat_threshold,
              "MIN_LR must be below LATE_QAT_THRESHOLD: late QAT starts when the lr scale falls under it")
         require(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
-        require(re.fullmatch(r"\s*(\d+:[1-9]\d*\s*(,\s*\d+:[1-9]\d*\s*)*)?", self.ttt_short_score_first_steps) is not None,
+        require(re.fullmatch(r"\s*(\d+:[1-9]\d*\s*(,\s*\d+:[1-9]\d*\s*)*)?",
+                             self.ttt_short_score_first_steps) is not None,
              f"TTT_SHORT_SCORE_FIRST_STEPS={self.ttt_short_score_first_steps!r}: LEN:CHUNK pairs, e.g. 256:8,2000:24")
         require(self.sliding_eval_enabled or self.ttt_enabled,
              "SLIDING_EVAL_ENABLED=0 needs TTT_ENABLED=1 (without TTT the sliding score is the final score)")
@@ -392,7 +405,8 @@ class Hyperparameters:
 
     @property
     def parallel_start(self) -> int:
-        """The first parallel layer; NUM_LAYERS when there is none (off, or the default past a shallow model's depth)."""
+        """The first parallel layer; NUM_LAYERS when there is none (off, or the default past a shallow model's
+        depth)."""
         P = self.parallel_start_layer
         return P if 0 < P < self.num_layers else self.num_layers
 
@@ -500,7 +514,8 @@ class Runtime:
         return self.rank == 0
 
     def describe(self) -> str:
-        return (f"layout world_size:{self.world_size} grad_accum_steps:{self.grad_accum_steps} attn_backend:{self.attn_backend} "
+        return (f"layout world_size:{self.world_size} grad_accum_steps:{self.grad_accum_steps} "
+                f"attn_backend:{self.attn_backend} "
                 f"kernels:{self.kernels} compile:{int(self.compile_enabled)} cuda_graphs:{int(self.cuda_graphs)}")
 
 
@@ -516,7 +531,8 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
     """Resolve every "auto" setting for this process, join the process group, configure CUDA. WORLD_SIZE, RANK and
     LOCAL_RANK come from `env` (default os.environ)."""
     env = os.environ if env is None else env
-    world_size, rank, local_rank = (int(env.get(k, d)) for k, d in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")))
+    world_size, rank, local_rank = (int(env.get(k, d)) for k, d in (("WORLD_SIZE", "1"), ("RANK", "0"),
+                                                                    ("LOCAL_RANK", "0")))
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if cuda and not torch.cuda.is_available():
         raise RuntimeError("DEVICE=cuda but CUDA is not available")
@@ -1271,7 +1287,8 @@ def qk_norm_rope_reference(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_
 def document_mask(ids_BT: Tensor) -> Tensor:
     """(B, 1, T, T) attention mask: causal, within a document (a BOS to the next; a row's start is one more)."""
     docs, T = torch.cumsum(ids_BT == BOS_ID, dim=1), ids_BT.size(1)
-    return ((docs[:, :, None] == docs[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=ids_BT.device).tril())[:, None]
+    return ((docs[:, :, None] == docs[:, None, :]) & torch.ones(T, T, dtype=torch.bool,
+                                                                device=ids_BT.device).tril())[:, None]
 
 
 def document_segments(ids_BT: Tensor) -> Tensor:
@@ -1526,7 +1543,8 @@ class GPT(nn.Module):
     def embed(self, ids_BT: Tensor) -> Tensor:
         x = self.tok_emb(ids_BT)
         if self.cfg.bigram_vocab_size > 0:
-            b = self.bigram.proj(self.bigram.embed(bigram_hash(ids_BT, self.cfg.bigram_vocab_size, self.cfg.doc_isolation)))
+            b = self.bigram.proj(self.bigram.embed(bigram_hash(ids_BT, self.cfg.bigram_vocab_size,
+                                                               self.cfg.doc_isolation)))
             x = x + b * self.bigram.scale.to(b.dtype)
         not_bos = (ids_BT != BOS_ID).unsqueeze(-1).to(x.dtype) if self.cfg.smear_bos_fix else 1.0
         if self.cfg.smear_gate_enabled:
@@ -1632,7 +1650,8 @@ class GPT(nn.Module):
         u = F.linear(h, layer_matrix(f.banks, "mlp.up", i, L))
         u = F.leaky_relu(u, cfg.mlp_negative_slope) if cfg.mlp_negative_slope > 0 else F.relu(u)
         u = F.linear(observe(f.hessians, ("mlp.down",), i, u.square()), layer_matrix(f.banks, "mlp.down", i, L))
-        return self.blocks[i].mlp_scale.to(x.dtype) * (u if f.adapter is None else u + f.adapter.deltas(("mlp",), s, h)[0])
+        return self.blocks[i].mlp_scale.to(x.dtype) * (u if f.adapter is None else u + f.adapter.deltas(("mlp",), s,
+                                                                                                        h)[0])
 
     def raw_logits(self, ids_BT: Tensor, adapter: Adapter | None = None, one_doc: bool = False,
                    mode: Mode = SCORING) -> Tensor:
@@ -1854,13 +1873,15 @@ if triton is not None:
         tl.store(dv_ptr + r[:, None] * D + d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=v_mask)
 
 
-XSA_ROWS_PER_PROGRAM = 16  # record shape, H200, 4 warps: 63 and 98 us per call (about 4 TB/s), within 1% of the best of 4-64 rows x 1-8 warps
+# record shape, H200, 4 warps: 63 and 98 us per call (about 4 TB/s), within 1% of the best of 4-64 rows x 1-8 warps
+XSA_ROWS_PER_PROGRAM = 16
 
 
 def _xsa_launch_args(y_BTHD: Tensor, v_BTKD: Tensor) -> tuple:
     (B, T, H, D), K = y_BTHD.shape, v_BTKD.size(2)
     if v_BTKD.shape != (B, T, K, D) or H % K:
-        raise ValueError(f"xsa: y {tuple(y_BTHD.shape)} and v {tuple(v_BTKD.shape)} are not (B,T,H,D), (B,T,K,D), K | H")
+        raise ValueError(f"xsa: y {tuple(y_BTHD.shape)} and v {tuple(v_BTKD.shape)} are not (B,T,H,D), "
+                         "(B,T,K,D), K | H")
     _require_packed_heads(v_BTKD, "xsa (v)")
     if max(v_BTKD.stride(0), H * D * T) * B >= 2**31:
         raise ValueError(f"xsa: {B * T} tokens overflow 32-bit offsets")
@@ -1941,7 +1962,8 @@ def _ce_launch_args(logits_NV: Tensor, targets_N: Tensor, cap: float) -> tuple:
         raise ValueError(f"softcap_cross_entropy: logits must be (N, V), got {tuple(logits_NV.shape)}")
     N, V = logits_NV.shape
     if targets_N.shape != (N,) or targets_N.dtype != torch.int64:
-        raise ValueError(f"softcap_cross_entropy: targets must be int64 ({N},), got {targets_N.dtype} {tuple(targets_N.shape)}")
+        raise ValueError(f"softcap_cross_entropy: targets must be int64 ({N},), got {targets_N.dtype} "
+                         f"{tuple(targets_N.shape)}")
     if V > CE_MAX_VOCAB or cap < 0:
         raise ValueError(f"softcap_cross_entropy: {V} logits per row, cap {cap}: needs vocab <= {CE_MAX_VOCAB} "
                          "and cap >= 0 (KERNELS=torch has no such limits)")
@@ -1991,7 +2013,8 @@ def softcap_loss_triton(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Ten
     return softcap_cross_entropy(logits_NV, targets_N, cap).mean()
 
 
-TRITON_OPS = Ops(qk_norm_rope_triton, exclusive_self_attention_triton, softcap_loss_triton) if triton is not None else None
+TRITON_OPS = Ops(qk_norm_rope_triton, exclusive_self_attention_triton,
+                 softcap_loss_triton) if triton is not None else None
 
 
 def build_model(cfg: Hyperparameters, rt: Runtime) -> GPT:
@@ -2069,7 +2092,9 @@ class Scorer:
     def windows(self, stride: int, per_doc: bool = False) -> Tensor:
         """sliding_windows over the targets, with DOC_ISOLATION (or per_doc) over each document's own (BOS to BOS)."""
         n, T, starts = self.tokens.numel() - 1, self.cfg.eval_seq_len, self.doc_starts(per_doc)
-        wins = [(s + a, s + b, s + c) for s, e in zip(starts, starts[1:] + [n]) for a, b, c in sliding_windows(e - s, T, stride)]
+        wins = [(s + a, s + b, s + c) for s, e in zip(starts, starts[1:] + [n]) for a, b, c in sliding_windows(e - s,
+                                                                                                               T,
+                                                                                                               stride)]
         return torch.tensor(wins, dtype=torch.int64, device=self.rt.device).view(-1, 3)
 
     def doc_starts(self, per_doc: bool = False) -> list[int]:
@@ -2101,7 +2126,8 @@ class Scorer:
         rows = self.rows(w_B3[:, 0], w_B3[:, 1] - w_B3[:, 0], w_B3[:, 2] - w_B3[:, 0], length)
         with autocast(self.rt.device):
             logits = fn(rows[0], *extra)
-        return logits, cross_entropy(logits.flatten(0, 1), rows[1].flatten(), reduction="none").view(rows[0].shape), rows
+        return logits, cross_entropy(logits.flatten(0, 1), rows[1].flatten(),
+                                     reduction="none").view(rows[0].shape), rows
 
     @torch.inference_mode()
     def score_windows(self, fn: Callable, wins: Tensor) -> Tensor:
@@ -2199,7 +2225,8 @@ def sgd_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> Sc
     n_chunks, wins = -(-n_targets // C), scorer.windows(cfg.eval_stride)
     win_chunk = wins[:, 1] // C
     frozen = list(range(cfg.ttt_freeze_blocks))
-    params = [p for n, p in model.named_parameters() if not (n.startswith("blocks.") and int(n.split(".")[1]) in frozen)]
+    params = [p for n,
+              p in model.named_parameters() if not (n.startswith("blocks.") and int(n.split(".")[1]) in frozen)]
     opt = torch.optim.SGD(params, lr=cfg.ttt_lr, momentum=cfg.ttt_momentum)
     fn_score, fn_train = scorer.logits_fn(model), compiled(model.logits, rt)  # training rows cross documents
     rows = -(-cfg.ttt_batch_seqs // rt.world_size)  # fixed per-rank batch shape (padded): one compile
@@ -2732,7 +2759,8 @@ def dequantize_state(packed: dict[str, Tensor], template: dict[str, Tensor], num
         raise ValueError(f"artifact does not match the model settings: missing {missing[:5]}, unexpected {extra[:5]}")
     for name, t in want.items():
         if flat[name].shape != t.shape:
-            raise ValueError(f"artifact tensor {name} has shape {tuple(flat[name].shape)}, model wants {tuple(t.shape)}")
+            raise ValueError(f"artifact tensor {name} has shape {tuple(flat[name].shape)}, model wants "
+                             f"{tuple(t.shape)}")
     state = rebank(flat, num_layers)
     return {k: state[k].to(template[k].dtype) for k in template}
 
@@ -3098,6 +3126,36 @@ def muon_momentum_at(cfg: Hyperparameters, step: int) -> float:
     return (1 - frac) * cfg.muon_momentum_warmup_start + frac * cfg.muon_momentum
 
 
+class TrainClock:
+    """The timed loop's clocks: training time so far (paused around scoring), whole iterations' durations (logging
+    in, scoring out: CAP_MARGIN's prediction; a resumed run starts from the saved slowest), the last log line."""
+
+    def __init__(self, device: torch.device, train_ms: float, slowest: float | None):
+        self.device, self.train_ms, self.recent_ms = device, train_ms, [slowest] if slowest else []
+        self.t0, self.t_prev = now_ms(device), None  # t_prev: the previous iteration's start (ticked)
+        self.last_line = self.t0
+
+    def now(self) -> float:
+        return self.train_ms + now_ms(self.device) - self.t0
+
+    def pause(self) -> None:
+        self.train_ms += now_ms(self.device) - self.t0
+
+    def restart(self) -> None:
+        self.t0, self.t_prev = now_ms(self.device), None
+
+    def tick(self) -> tuple[float, float]:
+        """At an iteration's start: (training ms, when the next step would end at CAP_MARGIN x the slowest of 10)."""
+        t = now_ms(self.device)
+        if self.t_prev is not None:
+            self.recent_ms.append(t - self.t_prev)
+        self.t_prev, now = t, self.train_ms + t - self.t0
+        return now, now + CAP_MARGIN * self.slowest()
+
+    def slowest(self) -> float:
+        return max(self.recent_ms[-10:], default=0.0)
+
+
 class Trainer:
     """Model, optimizers and data through warmup (then a full restore), the timed loop, and checkpoints."""
 
@@ -3131,8 +3189,8 @@ class Trainer:
         return loss.detach()
 
     def _capture(self, x: Tensor, y: Tensor) -> tuple:
-        """Capture fwd_bwd for the current mode, at a step's first micro-batch (zero gradients: the side-stream warm-up's
-        are removed). A second mode's warm-up holds a second activation block (42 GB reserved vs 21)."""
+        """Capture fwd_bwd for the current mode, at a step's first micro-batch (zero gradients: the side-stream
+        warm-up's are removed). A second mode's warm-up holds a second activation block (42 GB reserved vs 21)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if any(p.grad is not None and p.grad.any() for p in params):
             raise RuntimeError("CUDA graph capture needs zero gradients (a step's first micro-batch)")
@@ -3194,114 +3252,133 @@ class Trainer:
 
     def train(self, scorer: Scorer, ema: EMA | None) -> tuple[int, float, int]:
         """The timed loop from self.clock; returns (steps, training ms, the signal that stopped it or 0)."""
-        cfg, rt, log = self.cfg, self.rt, self.log
-        cap_ms = train_cap_ms(cfg)
-        # one host sync per iteration where ranks must agree on a clock: the cap, checkpoints, or a signal
-        clocked = cap_ms > 0 or cfg.checkpoint_every > 0 or rt.world_size > 1
-        # whole iterations' durations (logging in, val out); a resumed run starts from the saved one's
-        recent_ms: list[float] = [self.clock["recent_ms"]] if self.clock.get("recent_ms") else []
-        first_bad = torch.full((), -1, dtype=torch.int64, device=rt.device)  # first non-finite loss step
-        step, train_ms, progress = self.clock["step"], self.clock["train_ms"], self.clock["progress"]
         if self.clock.get("done"):
-            return step, train_ms, 0
-        start, last_ckpt = (step, train_ms), train_ms
-        t0, t_prev = now_ms(rt.device), None  # t_prev: start of the previous iteration (clocked)
-        last_line = t0
+            return self.clock["step"], self.clock["train_ms"], 0
         # STOP_SIGNALS: the loop writes a checkpoint at the next step's start and stops
-        def on_signal(signum: int, _) -> None:
-            self.signal = signum
-            signal.signal(signum, handlers[signum])  # a second one acts as it would without this loop
-        handlers = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
-
-        def clock(ms: float, **more) -> dict:  # where a checkpoint taken now resumes
-            return dict(step=step, train_ms=ms, progress=progress, recent_ms=max(recent_ms[-10:], default=0.0), **more)
+        self.handlers = {s: signal.signal(s, self.on_signal) for s in STOP_SIGNALS}
         try:
-            while step < cfg.iterations:
-                if cfg.val_loss_every > 0 and step > 0 and step % cfg.val_loss_every == 0:
-                    train_ms += now_ms(rt.device) - t0
-                    s = scorer(self.model, cfg.eval_seq_len, mode=self.mode._replace(qat=0))
-                    log(f"step:{step}/{cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} "
-                        f"train_time:{train_ms:.0f}ms step_avg:{train_ms / step:.2f}ms")
-                    t0, t_prev = now_ms(rt.device), None
-                elapsed, stop = 0.0, self.signal
-                if clocked:  # a step starts only if its predicted end fits the cap
-                    t_iter = now_ms(rt.device)
-                    if t_prev is not None:
-                        recent_ms.append(t_iter - t_prev)
-                    t_prev = t_iter
-                    # all ranks agree on the clock, so on stopping, lr scale, the QAT switch and checkpoints
-                    now = train_ms + t_iter - t0
-                    elapsed, predicted, stop = all_reduce_max(
-                        [now, now + CAP_MARGIN * max(recent_ms[-10:], default=0.0), float(self.signal)], rt.device)
-                    if cap_ms > 0 and predicted > cap_ms:
-                        log(f"stopping_early: wallclock_cap train_time:{elapsed:.0f}ms step:{step}/{cfg.iterations}")
-                        break
-                if stop:
-                    break
-                if cfg.checkpoint_every > 0 and elapsed - last_ckpt >= 1000 * cfg.checkpoint_every:
-                    # on the agreed clock: ranks' own clocks drift apart, and every rank must take part in this
-                    train_ms = elapsed
-                    self.save_checkpoint(ema, clock(train_ms))
-                    t0, t_prev, last_ckpt = now_ms(rt.device), None, train_ms
-                lr_scale = lr_scale_at(cfg, step, elapsed)
-                if cfg.late_qat_threshold > 0 and lr_scale < cfg.late_qat_threshold and not self.mode.qat:
-                    self.mode = self.mode._replace(qat=self.qat_grid)
-                    log(f"late_qat:enabled step:{step} lr_scale:{lr_scale:.4f}")
-                if cfg.num_loops > 0 and not self.mode.looping and (progress >= cfg.enable_looping_at or self.mode.qat):
-                    self.mode = self.mode._replace(looping=True)
-                    log(f"layer_loop:enabled step:{step} progress:{progress:.3f} layers:{layer_order(cfg, True)}")
-                try:
-                    loss = self.step(step, lr_scale)
-                except ShardError as e:  # raised before the step's work: keep what was trained
-                    self.save_checkpoint(ema, clock(train_ms + now_ms(rt.device) - t0))
-                    raise ShardError(f"{e}; checkpoint {self.ckpt_path} written at step {step}: fix the data, "
-                                     f"then resume with RESUME={self.ckpt_path}") from None
-                # progress on the agreed clock; a stall counts as at most 3 average steps, so no single snapshot
-                # dominates the EMA
-                done = run_progress(cfg, step + 1, elapsed)
-                if ema is not None:
-                    ema.update(min(done - progress, 3 * done / (step + 1)))
-                progress = done
-                step += 1
-                first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad)
-                if cfg.train_log_every > 0 and (step <= 10 or step % cfg.train_log_every == 0):
-                    self.check_finite(first_bad)
-                    mean, now = self.mean_loss(loss), train_ms + now_ms(rt.device) - t0
-                    log(f"step:{step}/{cfg.iterations} train_loss:{mean:.4f} train_time:{now:.0f}ms "
-                        f"step_avg:{now / step:.2f}ms eta:{self.eta_s(step, now, start):.0f}s")
-                    last_line = now_ms(HOST)
-                elif rt.is_main and now_ms(HOST) - last_line >= 1000 * PROGRESS_EVERY_S:
-                    last_line = now_ms(HOST)
-                    now = train_ms + last_line - t0
-                    log(f"step:{step}/{cfg.iterations} train_time:{now:.0f}ms eta:{self.eta_s(step, now, start):.0f}s")
-            train_ms += now_ms(rt.device) - t0
-            if 0 < cap_ms < train_ms:
-                log(f"warning wallclock_overrun train_time:{train_ms:.0f}ms cap:{cap_ms:.0f}ms "
-                    f"over_by:{train_ms - cap_ms:.0f}ms")
-            self.check_finite(first_bad)
-            stopped = int(all_reduce_max(float(self.signal), rt.device))  # one that came in the last step counts too
-            # always: no trained model is lost to a failure after training (RESUME=it exports and scores again);
-            # run() removes it at the end unless CHECKPOINT_EVERY keeps them
-            try:
-                self.save_checkpoint(ema, clock(train_ms, done=not stopped))
-            except OSError as e:  # a disk that holds the artifact but not the checkpoint still gets the artifact
-                if stopped or cfg.checkpoint_every > 0:
-                    raise
-                log(f"warning the trained state was not written ({e}): export goes on without it")
+            clocks = TrainClock(self.rt.device, self.clock["train_ms"], self.clock.get("recent_ms"))
+            step, train_ms, stopped = self.finish(ema, clocks, *self.timed_loop(scorer, ema, clocks))
         finally:
-            for s, handler in handlers.items():
+            for s, handler in self.handlers.items():
                 signal.signal(s, handler)
         if self.signal and not stopped:  # it came during the final checkpoint, which is on disk now
             raise Interrupted(self.signal)
         if stopped:
-            log(f"interrupted by {signal.Signals(stopped).name} at step {step}: resume with RESUME={self.ckpt_path} "
-                "and the same settings")
+            self.log(f"interrupted by {signal.Signals(stopped).name} at step {step}: resume with "
+                     f"RESUME={self.ckpt_path} and the same settings")
         elif self.graphed:  # scoring and TTT after training need the memory the graphs' pool and gradient buffers hold
             self.graphs.clear()
             self.graphed = self.opt.keep_grads = False
             self.opt.zero_grad()
             torch.cuda.empty_cache()
         return step, train_ms, stopped
+
+    def on_signal(self, signum: int, _) -> None:
+        self.signal = signum
+        signal.signal(signum, self.handlers[signum])  # a second one acts as it would without this loop
+
+    def timed_loop(self, scorer: Scorer, ema: EMA | None, clocks: TrainClock) -> tuple[int, float, Tensor]:
+        """Steps until ITERATIONS, the cap or a signal; returns (steps, progress, the first non-finite loss's step)."""
+        cfg, rt = self.cfg, self.rt
+        cap_ms = train_cap_ms(cfg)
+        # one host sync per iteration where ranks must agree on a clock: the cap, checkpoints, or a signal
+        clocked = cap_ms > 0 or cfg.checkpoint_every > 0 or rt.world_size > 1
+        first_bad = torch.full((), -1, dtype=torch.int64, device=rt.device)  # first non-finite loss step
+        step, progress = self.clock["step"], self.clock["progress"]
+        start, last_ckpt = (step, clocks.train_ms), clocks.train_ms
+        while step < cfg.iterations:
+            if cfg.val_loss_every > 0 and step > 0 and step % cfg.val_loss_every == 0:
+                self.validate(scorer, step, clocks)
+            elapsed, stop = 0.0, self.signal
+            if clocked:  # all ranks agree on the clock, so on stopping, lr scale, the QAT switch and checkpoints
+                elapsed, predicted, stop = all_reduce_max([*clocks.tick(), float(self.signal)], rt.device)
+                if cap_ms > 0 and predicted > cap_ms:  # a step starts only if its predicted end fits the cap
+                    self.log(f"stopping_early: wallclock_cap train_time:{elapsed:.0f}ms step:{step}/{cfg.iterations}")
+                    break
+            if stop:
+                break
+            if cfg.checkpoint_every > 0 and elapsed - last_ckpt >= 1000 * cfg.checkpoint_every:
+                # on the agreed clock: ranks' own clocks drift apart, and every rank must take part in this
+                clocks.train_ms = last_ckpt = elapsed
+                self.save_checkpoint(ema, self.where(step, progress, clocks, elapsed))
+                clocks.restart()
+            lr_scale = lr_scale_at(cfg, step, elapsed)
+            self.switch_modes(step, lr_scale, progress)
+            try:
+                loss = self.step(step, lr_scale)
+            except ShardError as e:  # raised before the step's work: keep what was trained
+                self.save_checkpoint(ema, self.where(step, progress, clocks, clocks.now()))
+                raise ShardError(f"{e}; checkpoint {self.ckpt_path} written at step {step}: fix the data, "
+                                 f"then resume with RESUME={self.ckpt_path}") from None
+            # progress on the agreed clock; a stall counts as at most 3 average steps, so no single snapshot
+            # dominates the EMA
+            done = run_progress(cfg, step + 1, elapsed)
+            if ema is not None:
+                ema.update(min(done - progress, 3 * done / (step + 1)))
+            progress, step = done, step + 1
+            first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad)
+            self.log_step(step, loss, first_bad, clocks, start)
+        return step, progress, first_bad
+
+    def finish(self, ema: EMA | None, clocks: TrainClock, step: int, progress: float,
+               first_bad: Tensor) -> tuple[int, float, int]:
+        """After the loop: the final checkpoint; returns (steps, training ms, the signal that stopped it or 0)."""
+        clocks.pause()
+        cap_ms, train_ms = train_cap_ms(self.cfg), clocks.train_ms
+        if 0 < cap_ms < train_ms:
+            self.log(f"warning wallclock_overrun train_time:{train_ms:.0f}ms cap:{cap_ms:.0f}ms "
+                     f"over_by:{train_ms - cap_ms:.0f}ms")
+        self.check_finite(first_bad)
+        stopped = int(all_reduce_max(float(self.signal), self.rt.device))  # one in the last step counts too
+        # always: no trained model is lost to a failure after training (RESUME=it exports and scores again);
+        # run() removes it at the end unless CHECKPOINT_EVERY keeps them
+        try:
+            self.save_checkpoint(ema, self.where(step, progress, clocks, train_ms, done=not stopped))
+        except OSError as e:  # a disk that holds the artifact but not the checkpoint still gets the artifact
+            if stopped or self.cfg.checkpoint_every > 0:
+                raise
+            self.log(f"warning the trained state was not written ({e}): export goes on without it")
+        return step, train_ms, stopped
+
+    def validate(self, scorer: Scorer, step: int, clocks: TrainClock) -> None:
+        """VAL_LOSS_EVERY's score, outside the training time, in the loop's mode without QAT."""
+        clocks.pause()
+        s = scorer(self.model, self.cfg.eval_seq_len, mode=self.mode._replace(qat=0))
+        self.log(f"step:{step}/{self.cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} "
+                 f"train_time:{clocks.train_ms:.0f}ms step_avg:{clocks.train_ms / step:.2f}ms")
+        clocks.restart()
+
+    def switch_modes(self, step: int, lr_scale: float, progress: float) -> None:
+        """Late QAT once the lr scale falls under LATE_QAT_THRESHOLD; the loop's repeats at ENABLE_LOOPING_AT, or
+        with QAT."""
+        cfg = self.cfg
+        if cfg.late_qat_threshold > 0 and lr_scale < cfg.late_qat_threshold and not self.mode.qat:
+            self.mode = self.mode._replace(qat=self.qat_grid)
+            self.log(f"late_qat:enabled step:{step} lr_scale:{lr_scale:.4f}")
+        if cfg.num_loops > 0 and not self.mode.looping and (progress >= cfg.enable_looping_at or self.mode.qat):
+            self.mode = self.mode._replace(looping=True)
+            self.log(f"layer_loop:enabled step:{step} progress:{progress:.3f} layers:{layer_order(cfg, True)}")
+
+    def log_step(self, step: int, loss: Tensor, first_bad: Tensor, clocks: TrainClock, start: tuple) -> None:
+        """A train_loss line (the first 10 steps and every TRAIN_LOG_EVERY), else a progress line every
+        PROGRESS_EVERY_S (no loss: no host sync)."""
+        cfg = self.cfg
+        if cfg.train_log_every > 0 and (step <= 10 or step % cfg.train_log_every == 0):
+            self.check_finite(first_bad)
+            mean, now = self.mean_loss(loss), clocks.now()
+            self.log(f"step:{step}/{cfg.iterations} train_loss:{mean:.4f} train_time:{now:.0f}ms "
+                     f"step_avg:{now / step:.2f}ms eta:{self.eta_s(step, now, start):.0f}s")
+            clocks.last_line = now_ms(HOST)
+        elif self.rt.is_main and now_ms(HOST) - clocks.last_line >= 1000 * PROGRESS_EVERY_S:
+            clocks.last_line = now_ms(HOST)
+            now = clocks.train_ms + clocks.last_line - clocks.t0
+            self.log(f"step:{step}/{cfg.iterations} train_time:{now:.0f}ms eta:{self.eta_s(step, now, start):.0f}s")
+
+    @staticmethod
+    def where(step: int, progress: float, clocks: TrainClock, ms: float, **more) -> dict:
+        """The clock of a checkpoint taken now: where it resumes."""
+        return dict(step=step, train_ms=ms, progress=progress, recent_ms=clocks.slowest(), **more)
 
     def eta_s(self, step: int, t_ms: float, start: tuple[int, float]) -> float:
         """Seconds left at this run's mean step time, or to the cap if that comes first."""
@@ -3360,7 +3437,8 @@ def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[st
         f"platform:{platform.platform()}")
     if rt.device.type == "cuda":
         p = torch.cuda.get_device_properties(rt.device)
-        log(f"device name:{p.name.replace(' ', '_')} memory_mib:{p.total_memory // 2**20} count:{torch.cuda.device_count()}")
+        log(f"device name:{p.name.replace(' ', '_')} memory_mib:{p.total_memory // 2**20} "
+            f"count:{torch.cuda.device_count()}")
     else:
         log(f"device name:cpu threads:{torch.get_num_threads()}")
     log(f"world_size:{rt.world_size}")
@@ -3433,7 +3511,8 @@ def validation_scorer(cfg: Hyperparameters, rt: Runtime, log: Logger, tokenizer:
     if val_bytes is None and sp.piece_to_id(CASEOPS_TITLE) != sp.unk_id():  # its pieces' bytes are not the text's
         raise ValueError("TOKENIZER_PATH is a CaseOps tokenizer, and DATA_PATH has no byte sidecar "
                          "(fineweb_val_bytes_*.bin, which data/make_caseops.py writes) to score the original text")
-    counts, manifest = {"docs": int((val_tokens == BOS_ID).sum()), "tokens": val_tokens.numel()}, val_manifest(cfg.data_path)
+    counts, manifest = {"docs": int((val_tokens == BOS_ID).sum()),
+                        "tokens": val_tokens.numel()}, val_manifest(cfg.data_path)
     counts["bytes"] = None if val_bytes is None else int(val_bytes.sum())  # the sidecar's sum: val_bpb's denominator
     for key, want in manifest[0].items():  # a partial validation set, one that leaked into training, a bad sidecar
         if want is not None and counts[key] is not None and want != counts[key]:
