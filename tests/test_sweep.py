@@ -407,10 +407,10 @@ def test_a_variant_can_run_another_script_checked_by_its_own_parser(tmp_path):
     """SCRIPT=path (a before/after A/B of a code change): that variant's command runs the copy, and its settings
     go through the copy's parser, which here knows one more setting than the repository's script."""
     src = (ROOT / "train_gpt.py").read_text()
-    field = next(line + "\n" for line in src.splitlines() if line.startswith("    seed: int = S(1337, "))
+    field = next(line + "\n" for line in src.splitlines() if line.startswith("    seed: int = setting(1337, "))
     assert field in src
     copy = tmp_path / "after.py"
-    copy.write_text(src.replace(field, field + '    extra_knob: int = S(0, "a setting only the copy has")\n'))
+    copy.write_text(src.replace(field, field + '    extra_knob: int = setting(0, "a setting only the copy has")\n'))
     r = run_sweep(["--dry-run", "--name", "ab", "--seeds", "1", "--variant", "before=", "--variant",
                    f"after=SCRIPT={copy} EXTRA_KNOB=2"], tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr
