@@ -3,15 +3,13 @@
 Record run:   torchrun --standalone --nproc_per_node=8 train_gpt.py
 One process:  python3 train_gpt.py        (CPU works too: tiny configs, gloo, SDPA math, no compile)
 Every setting is an environment variable named after a Hyperparameters field (README lists them all).
-Seed system: PR #399 (parameter banking + Parallel Muon) on the PR #315/#414 model stack. Budget: 3,750 lines
-(the team's cap for the features of 2026-11; the house issue asked 3,342, see records/PERFORMANCE.md "Now"), at
-most 20% of the characters prose; a feature earns its lines with a measured gain. PQB, pqb-t: the proxy quality
-benchmark on the project's proxy data, by steps and at equal time (its definition: records/PERFORMANCE.md "Now").
+Seed system: PR #399 (parameter banking + Parallel Muon) on the PR #315/#414 model stack. Budget: 3,750 lines,
+at most 20% of the characters prose; a feature earns its lines with a measured gain. PQB, pqb-t: the proxy quality
+benchmark, by steps and at equal time (records/PERFORMANCE.md "Now").
 
 Sections, each using only those above it: Config, Runtime, Optimizer, Data, Model, Kernels (and build_model),
-Scoring, Legal TTT, Export, Training, main (the pipeline); one table is read from above, at run time, to stay the
-one place of a mode: TTT_MODES (TTT_MODE's choices). Extension points: FORMATS, TTT_MODES and Adapter (README,
-"Extending the script").
+Scoring, Legal TTT, Export, Training, main (the pipeline); but TTT_MODE's choices are TTT_MODES' names. Extension
+points: FORMATS, TTT_MODES, Adapter (README, "Extending the script").
 """
 from __future__ import annotations
 
@@ -73,9 +71,9 @@ FP16_MIN_NORMAL = 2.0 ** -14  # the smallest scale an fp16 row scale holds witho
 
 
 def setting(default, meaning: str, allowed: str | tuple | Callable = "", model: bool = False, on: str = ""):
-    """A setting: its default, meaning (README's table), allowed values (a range, an inclusive (lo, hi), a string's
-    choices, or a function giving them: a table below), whether it defines the model (stored in every artifact), and
-    `on`: the setting of its feature ("ttt_mode=sgd": of a mode), with which off it is reported as ignored."""
+    """A setting: default, meaning (README's table), allowed values (a range, an inclusive (lo, hi), choices, or a
+    function giving them), whether it defines the model (stored in artifacts), and `on`: its feature's setting
+    ("ttt_mode=sgd": a mode's), with which off it is reported as ignored."""
     return field(default=default, metadata=dict(meaning=meaning, allowed=allowed, model=model, on=on))
 
 
@@ -421,7 +419,6 @@ class Hyperparameters:
         return min(self.loop_start, end), end
 
     def ttt_chunk_for(self, targets: int) -> int:
-        """lora TTT's chunk for a document of `targets` targets."""
         steps = sorted(tuple(map(int, p.split(":"))) for p in self.ttt_short_score_first_steps.split(",") if p.strip())
         return next((c for n, c in steps if targets <= n), self.ttt_chunk_size)
 
@@ -591,9 +588,8 @@ def check_same_on_ranks(env: dict[str, str]) -> None:
 
 
 def configure_inductor() -> None:
-    """Inductor's mix-order reductions off unless TORCHINDUCTOR_MIX_ORDER_REDUCTION is set: single-stage they cost
-    20 ms of a record step (torch 2.11, H200), multi-stage within +-2 ms, and their fusion asserts on the ungated
-    U-Net skip (SKIP_GATES_ENABLED=0)."""
+    """Inductor's mix-order reductions off unless TORCHINDUCTOR_MIX_ORDER_REDUCTION is set: they cost up to 20 ms
+    of a record step (records/PERFORMANCE.md "Now": inductor settings) and assert on the ungated U-Net skip."""
     import torch._inductor.config
     c = torch._inductor.config.triton
     if "TORCHINDUCTOR_MIX_ORDER_REDUCTION" not in os.environ and hasattr(c, "mix_order_reduction"):
@@ -788,10 +784,9 @@ def nesterov_momentum_(bufs: list[Tensor], grads: list[Tensor], momentum: float)
 
 
 class ParallelMuon(torch.optim.Optimizer):
-    """Muon over 3-D parameter banks, sharded over ranks along the bank dimension (PR #399). Phases (Optimizers.step):
-    launch_reduce_scatter -> finish_reduce_scatter (averaged grad shards) -> [caller clips] -> step (momentum + NS
-    on the local shard; each stack's all-gathers overlap the next stack's NS). One momentum shard per bank per rank:
-    with one rank the whole bank, so the same code and state_dict serve 1 or N ranks."""
+    """Muon over 3-D parameter banks, sharded over ranks along the bank dimension (PR #399). Phases:
+    launch_reduce_scatter -> finish_reduce_scatter (averaged shards) -> [caller clips] -> step (momentum + NS on the
+    local shard; a stack's all-gathers overlap the next's NS). One momentum shard a bank a rank: any world size."""
 
     def __init__(self, banks: list[Tensor], lr: float, momentum: float, weight_decay: float, ns_steps: int,
                  comm_dtype: torch.dtype, world_size: int, polar: bool = False, row_normalize: bool = False):
@@ -1377,9 +1372,8 @@ def fake_quant(w: Tensor, qmax: int, floor: float) -> Tensor:
 
 
 class Mode(NamedTuple):
-    """What a forward runs beyond its inputs: the loop's repeats (LOOP_START..LOOP_END NUM_LOOPS more times; off
-    until ENABLE_LOOPING_AT in training) and late QAT (the banks fake-quantized to codes in -qat..qat; 0 = off). The
-    trainer holds the current one (its CUDA graphs and checkpoints read it); every scorer runs SCORING."""
+    """What a forward runs beyond its inputs: the loop's repeats, and late QAT's grid (codes -qat..qat; 0 = off). The
+    trainer holds the current one; every scorer runs SCORING."""
     looping: bool = True
     qat: int = 0
 
@@ -1411,11 +1405,9 @@ class Block(nn.Module):
 
 
 class Adapter(nn.Module):
-    """What the forward asks of a test-time adapter (DocLoRA is the one here). Row b of a call is one document's.
-    deltas(names, s, x) gives what to add to each output of `names` at position s of the layer order, all read from
-    x: ("attn.q", "attn.k", "attn.v", "attn.o") from the attention's normed input, ("mlp",) from the MLP's, ("head",)
-    from the final hidden state (s = 0); 0 for an output it leaves alone. reset(keep) starts a batch of documents
-    as the model was (keep: the part TTT_WARM_START_A carries over). Built as cls(cfg, rows, device)."""
+    """A test-time adapter, cls(cfg, rows, device) (DocLoRA); row b of a call is one document's. deltas: what to add
+    to each output of `names` at position s of the layer order, from their input x (the attention's q, k, v, o; the
+    MLP's "mlp"; "head", s = 0), or 0. reset(keep): the model as it was (keep: what TTT_WARM_START_A carries)."""
 
     def deltas(self, names: tuple[str, ...], s: int, x_BTI: Tensor) -> list[Tensor | int]:
         raise NotImplementedError
@@ -1434,10 +1426,9 @@ class Pass(NamedTuple):
 
 
 class DocLoRA(Adapter):
-    """TTT_MODE=lora's adapters (the 04-10..04-27 records' LoRA TTT). Row b holds one document: rank-r pairs on q, k,
-    v, o and the MLP at every position of the layer order (a looped layer's repeats have their own, as in the 04-27
-    record) and on the head, each adding ALPHA/r * B A x. reset(): B = 0 (the model as it was), A one fixed
-    U(+-1/sqrt(in)) draw. A call uses the first rows, so a document's result is its own."""
+    """TTT_MODE=lora's adapters (the 04-10..04-27 records'): rank-r pairs adding ALPHA/r * B A x on q, k, v, o and the
+    MLP at every position of the layer order (a repeat has its own, as in the 04-27 record) and on the head.
+    reset(): B = 0, A one fixed U(+-1/sqrt(in)) draw."""
 
     def __init__(self, cfg: Hyperparameters, rows: int, device: torch.device):
         super().__init__()
@@ -1563,9 +1554,8 @@ class GPT(nn.Module):
 
     def hidden(self, ids_BT: Tensor, adapter: Adapter | None = None, one_doc: bool = False, mode: Mode = SCORING,
                hessians: dict | None = None) -> Tensor:
-        """The final hidden states. one_doc: each row holds one document up to its last scored target (the scorer's
-        rows under DOC_ISOLATION), so causal attention isolates it without the mask, on any backend. hessians: GPTQ's
-        sums (observe) to add to."""
+        """The final hidden states. one_doc: each row is one document's (the scorer's under DOC_ISOLATION): causal
+        attention isolates it without a mask. hessians: observe's sums."""
         cfg = self.cfg
         if ids_BT.size(1) > self.rope_cos.size(0):
             raise ValueError(f"sequence length {ids_BT.size(1)} > max(TRAIN_SEQ_LEN, EVAL_SEQ_LEN) = "
@@ -1601,7 +1591,7 @@ class GPT(nn.Module):
         return Pass({k: b.to(dtype) for k, b in banks.items()}, ve_BTK, mask, adapter, hessians)
 
     def skip_in(self, j: int, skip: Tensor, x: Tensor, lanes: tuple | None) -> tuple[Tensor, tuple | None]:
-        """U-Net skip j into x, or into the attention's lane: sig(g) into + (1 - sig(g)) skip (ungated: + skip)."""
+        """U-Net skip j into x, or the attention's lane: sig(g) into + (1 - sig(g)) skip (ungated: + skip)."""
         skip, into = self.skip_weights[j].to(x.dtype) * skip, x if lanes is None else lanes[0]
         if self.cfg.skip_gates_enabled:
             into = torch.lerp(skip, into, torch.sigmoid(self.skip_gates[j].to(x.dtype)))
@@ -1610,8 +1600,7 @@ class GPT(nn.Module):
         return (into, None) if lanes is None else (x, (into, lanes[1]))
 
     def layer(self, i: int, s: int, x: Tensor, x0: Tensor, lanes: tuple | None, f: Pass) -> tuple[Tensor, tuple | None]:
-        """Layer i at position s: serial (attention, then the MLP reads its result), or parallel (2026-03-31 record:
-        both read their own lane, both write both lanes)."""
+        """Layer i at position s: serial, or parallel (2026-03-31 record: each reads its lane, writes both)."""
         mix = self.blocks[i].resid_mix.to(x.dtype)
         if lanes is None:
             x = mix[0] * x + mix[1] * x0
@@ -2221,10 +2210,9 @@ def grad_flags(model: nn.Module, on: bool):
 
 
 def sgd_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> Score:
-    """TTT_MODE=sgd, score-first (the later records' legal TTT): each TTT_CHUNK_TOKENS chunk of the val targets is
-    scored by the sliding windows whose first target it holds, then trained on with SGD + momentum (cosine lr over
-    chunks, global-norm clip), the last one never. A score depends on the artifact and earlier tokens only.
-    TTT_FREEZE_BLOCKS freezes the first blocks (bank slices, control tensors, lane scalars)."""
+    """TTT_MODE=sgd, score-first (the later records' legal TTT): each TTT_CHUNK_TOKENS chunk of the targets is scored
+    by the windows whose first target it holds, then trained on (SGD, momentum, cosine lr, global-norm clip), the
+    last never. TTT_FREEZE_BLOCKS freezes the first blocks (bank slices, control tensors, lane scalars)."""
     T, C, n_targets = cfg.train_seq_len, cfg.ttt_chunk_tokens, scorer.tokens.numel() - 1
     n_chunks, wins = -(-n_targets // C), scorer.windows(cfg.eval_stride)
     win_chunk = wins[:, 1] // C
@@ -2282,9 +2270,8 @@ def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn
 
 
 class LoraPlan(NamedTuple):
-    """lora TTT's schedule: each document's chunks (window start, first target, end) and span, the documents by
-    length (longest first), the phases' ends in that order, and this rank's steps (its documents, how many of the
-    order global SGD trains on after it or 0, whether the adapter keeps A from its last batch)."""
+    """lora TTT's schedule: chunks and span of each document, the documents longest first, the phases' ends, this
+    rank's steps (documents, how many of `order` global SGD then trains on, whether the adapter keeps A)."""
     chunks: list[list[tuple[int, int, int]]]
     spans: list[tuple[int, int]]
     order: list[int]
@@ -2293,9 +2280,8 @@ class LoraPlan(NamedTuple):
 
 
 def lora_plan(cfg: Hyperparameters, rt: Runtime, scorer: Scorer) -> LoraPlan:
-    """The per-document sliding windows cut into chunks (ttt_chunk_for) that keep their window's context; documents
-    longest first (where BOS tokens fall decides, as in the records) in lockstep batches of TTT_BATCH_SIZE on each
-    rank, as many batches on every rank."""
+    """Per-document windows cut into chunks that keep their context; documents longest first (the records') in
+    lockstep batches of TTT_BATCH_SIZE, as many on every rank."""
     starts = scorer.doc_starts(per_doc=True)  # an adapter learns one document: its windows are the document's own
     ends, rows = starts[1:] + [scorer.tokens.numel() - 1], cfg.ttt_batch_size
     chunks: list[list[tuple[int, int, int]]] = [[] for _ in starts]
@@ -2317,8 +2303,7 @@ def lora_plan(cfg: Hyperparameters, rt: Runtime, scorer: Scorer) -> LoraPlan:
 
 
 def lora_warmup(cfg: Hyperparameters, rt: Runtime, model: GPT, fn: Callable, adapter: Adapter, phased: bool) -> None:
-    """The compiles before the timer: lora's forward and backward (one graph for every rows x length) and, phased,
-    global_sgd's."""
+    """The compiles before the timer: lora's step (one graph for all rows x lengths) and, phased, global_sgd's."""
     if rt.compile_enabled:
         x = torch.zeros(cfg.ttt_batch_size, cfg.eval_seq_len, dtype=torch.int64, device=rt.device)
         for dim in (0, 1):
@@ -2335,9 +2320,8 @@ def lora_warmup(cfg: Hyperparameters, rt: Runtime, model: GPT, fn: Callable, ada
 
 def lora_batch(cfg: Hyperparameters, rt: Runtime, scorer: Scorer, fn: Callable, adapter: Adapter,
                batch: list[list[tuple[int, int, int]]], keep: bool, probe: dict | None) -> Tensor:
-    """One lockstep batch (documents' chunks, most chunks first): step c scores chunk c of every document still
-    going, then takes TTT_GRAD_STEPS AdamW steps on each row's mean chunk NLL (none on a last chunk). Returns the
-    batch's (nll, tokens, bytes) sums."""
+    """One lockstep batch (most chunks first): step c scores chunk c of each document still going, then takes
+    TTT_GRAD_STEPS AdamW steps on each row's mean chunk NLL (none on a last chunk); returns the sums."""
     sums, R, T = torch.zeros(3, dtype=torch.float64, device=rt.device), cfg.ttt_batch_size, cfg.eval_seq_len
     plan = torch.zeros(len(batch[0]), R, 4, dtype=torch.int64)  # step c's rows: window, trained; one copy
     for r, d in enumerate(batch):
@@ -2373,10 +2357,8 @@ def lora_batch(cfg: Hyperparameters, rt: Runtime, scorer: Scorer, fn: Callable, 
 
 def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, probe: dict[str, Tensor] | None = None,
              adapter_cls: type[Adapter] | None = None) -> Score:
-    """TTT_MODE=lora, score-first per document (lora_plan, lora_batch; the records' scheduler). Adapters (DocLoRA, or
-    adapter_cls) and AdamW restart with each batch, so a document scores what it would alone (not with
-    TTT_WARM_START_A); PHASED_TTT_PREFIX_DOCS: global_sgd after each phase. probe (tests) receives each target's NLL
-    and logsumexp."""
+    """TTT_MODE=lora, score-first per document (lora_plan, lora_batch: the records' scheduler); adapters (DocLoRA or
+    adapter_cls) and AdamW restart each batch; global_sgd after each phase. probe (tests): each target's NLL, lse."""
     plan = lora_plan(cfg, rt, scorer)
     adapter, fn = (adapter_cls or DocLoRA)(cfg, cfg.ttt_batch_size, rt.device), scorer.logits_fn(model)
 
@@ -2400,9 +2382,8 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, prob
 
 @dataclass(frozen=True)
 class TTTMode:
-    """A legal TTT mode, named by TTT_MODE: its scorer (cfg, rt, model, scorer) -> Score, the attention backends its
-    updates need under DOC_ISOLATION (none: any), and whether its gain is measured against the per-document
-    windows (then scored too, where DOC_ISOLATION does not already score them so)."""
+    """A legal TTT mode (TTT_MODE): its scorer, the backends its updates need under DOC_ISOLATION (none: any), and
+    whether its gain is measured against per-document windows (then scored too)."""
     score: Callable[..., Score]
     update_backends: Callable[[Hyperparameters], tuple[str, ...]]
     per_doc_baseline: bool
@@ -2413,7 +2394,7 @@ TTT_MODES = {"sgd": TTTMode(sgd_ttt, lambda cfg: ("math",) if cfg.ttt_epochs > 0
 
 
 def check_ttt_backend(cfg: Hyperparameters, rt: Runtime) -> None:
-    """A mode's updates of rows that cross documents need a mask (sgd's are not counted in varlen's cu_seqlens)."""
+    """Updates of rows that cross documents need a mask (varlen's cu_seqlens do not count sgd's)."""
     need = TTT_MODES[cfg.ttt_mode].update_backends(cfg) if cfg.ttt_enabled and cfg.doc_isolation else ()
     if need and rt.attn_backend not in need:
         raise ValueError(f"DOC_ISOLATION=1: TTT_MODE={cfg.ttt_mode} updates on ATTN_BACKEND={' or '.join(need)} "
@@ -2575,9 +2556,8 @@ def head_name(cfg: Hyperparameters) -> str:
 
 @dataclass(frozen=True)
 class Format:
-    """One way the artifact stores a weight of unbank(state), as tensors name.<part>. FORMATS is read by
-    quantize_state, dequantize_state, code_errors, the size prediction, late QAT (the banks' grid) and
-    tools/artifact_report.py: a new format is a new row."""
+    """How the artifact stores a weight of unbank(state), as tensors name.<part>: a new format is a new row of
+    FORMATS (the export, its reading, the size guard and prediction, late QAT's grid, artifact_report read it)."""
     kind: str  # its first part (the codes or values), which names the format in an artifact
     label: str  # what tools/artifact_report.py calls it
     holds: Callable[[Hyperparameters, str, Tensor], bool] | None  # its weights (the first row that holds); None:
@@ -2653,9 +2633,8 @@ def stored_weights(packed: dict[str, Tensor]) -> dict[str, list[tuple[Format, di
 
 def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dict | None = None,
                    grids: dict[str, float] | None = None, reuse: dict | None = None) -> dict[str, Tensor]:
-    """The artifact's tensors, each weight in its FORMATS row (`hessians`: GPTQ where the row names an H); LQER's
-    factors for the LQER_TOP_K coded matrices of the largest error. `grids`: grid steps times these factors
-    (coarser_grids), the other coded matrices taken from `reuse`. On the CPU: the same bytes from any device."""
+    """The artifact's tensors, each weight in its FORMATS row (GPTQ where it names an H); LQER for the LQER_TOP_K
+    coded matrices of the largest error. `grids`: coarser_grids' factors, the others from `reuse`. On the CPU."""
     out, errors, grids = {}, {}, grids or {}
     for name, t in unbank(state, cfg.num_layers).items():
         t, fmt = t.detach().float().cpu(), format_of(cfg, name, t)
@@ -2954,8 +2933,8 @@ def rans_decompress(body: bytes) -> bytes:
 
 
 def compress(payload: bytes, method: str) -> tuple[bytes, str]:
-    """COMPRESSOR=rans (rans_compress: the PQB artifact in 14,797,155 B, xz's whole-payload 15,683,809, zstd-22's
-    about 1 MB more) or fast (zstd at ZSTD_FAST_LEVEL, for sweeps). Both check integrity. Returns (artifact, coder)."""
+    """COMPRESSOR=rans (rans_compress; records/PERFORMANCE.md "Now": rANS coder) or fast (zstd at ZSTD_FAST_LEVEL,
+    for sweeps); both check integrity. Returns (artifact, coder)."""
     if method == "rans":
         return ARTIFACT_MAGIC + bytes([COMPRESSOR_CODES["rans"]]) + rans_compress(payload), "rans"
     if _zstd() is None:
@@ -3131,8 +3110,8 @@ def muon_momentum_at(cfg: Hyperparameters, step: int) -> float:
 
 
 class TrainClock:
-    """The timed loop's clocks: training time so far (paused around scoring), whole iterations' durations (logging
-    in, scoring out: CAP_MARGIN's prediction; a resumed run starts from the saved slowest), the last log line."""
+    """The timed loop's clocks: training time (paused around scoring), whole iterations' durations (CAP_MARGIN's
+    prediction), the last log line's time."""
 
     def __init__(self, device: torch.device, train_ms: float, slowest: float | None):
         self.device, self.train_ms, self.recent_ms = device, train_ms, [slowest] if slowest else []
@@ -3193,8 +3172,8 @@ class Trainer:
         return loss.detach()
 
     def _capture(self, x: Tensor, y: Tensor) -> tuple:
-        """Capture fwd_bwd for the current mode, at a step's first micro-batch (zero gradients: the side-stream
-        warm-up's are removed). A second mode's warm-up holds a second activation block (42 GB reserved vs 21)."""
+        """Capture fwd_bwd in the current mode at a step's first micro-batch (zero gradients). A second mode's warm-up
+        holds a second activation block (42 GB reserved vs 21)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if any(p.grad is not None and p.grad.any() for p in params):
             raise RuntimeError("CUDA graph capture needs zero gradients (a step's first micro-batch)")
@@ -3217,8 +3196,8 @@ class Trainer:
         return self.graphs[self.mode]
 
     def modes(self) -> list[Mode]:
-        """The modes the timed loop runs, in order (its compiled code and CUDA graphs, one each): the repeats (at
-        ENABLE_LOOPING_AT), then late QAT (an earlier QAT brings the repeats forward: it tunes the final model)."""
+        """The modes the timed loop runs, in order (a compile and CUDA graph each): the repeats, then late QAT (which
+        brings the repeats forward: it tunes the final model)."""
         loops, qat, at = self.cfg.num_loops > 0, self.cfg.late_qat_threshold > 0, self.cfg.enable_looping_at
         out = [Mode(loops and at == 0)] + [Mode(True)] * (loops and at > 0)
         return out + [Mode(loops, self.qat_grid)] * qat
@@ -3354,8 +3333,7 @@ class Trainer:
         clocks.restart()
 
     def switch_modes(self, step: int, lr_scale: float, progress: float) -> None:
-        """Late QAT once the lr scale falls under LATE_QAT_THRESHOLD; the loop's repeats at ENABLE_LOOPING_AT, or
-        with QAT."""
+        """Late QAT under LATE_QAT_THRESHOLD; the repeats at ENABLE_LOOPING_AT or with QAT."""
         cfg = self.cfg
         if cfg.late_qat_threshold > 0 and lr_scale < cfg.late_qat_threshold and not self.mode.qat:
             self.mode = self.mode._replace(qat=self.qat_grid)
@@ -3365,8 +3343,7 @@ class Trainer:
             self.log(f"layer_loop:enabled step:{step} progress:{progress:.3f} layers:{layer_order(cfg, True)}")
 
     def log_step(self, step: int, loss: Tensor, first_bad: Tensor, clocks: TrainClock, start: tuple) -> None:
-        """A train_loss line (the first 10 steps and every TRAIN_LOG_EVERY), else a progress line every
-        PROGRESS_EVERY_S (no loss: no host sync)."""
+        """A train_loss line (steps 1-10, every TRAIN_LOG_EVERY), else every PROGRESS_EVERY_S one without (no sync)."""
         cfg = self.cfg
         if cfg.train_log_every > 0 and (step <= 10 or step % cfg.train_log_every == 0):
             self.check_finite(first_bad)
@@ -3601,9 +3578,8 @@ def export(cfg: Hyperparameters, rt: Runtime, log: Logger, model: GPT, hessians:
 
 def score_artifact(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, tensors: dict[str, Tensor],
                    unfitted: dict | None) -> tuple[str, Score]:
-    """The artifact's scores on a model of its tensors alone: round trip, sliding window (per document too: lora
-    TTT's baseline), then TTT (it changes the weights); last, the round trip of the tensors before the size fit.
-    Returns the final score's key and the score."""
+    """The artifact's scores on a model of its tensors alone: round trip, sliding window (per document too, a TTT
+    mode's baseline), TTT; last, the tensors before the size fit. Returns the final score's key and the score."""
     model = artifact_model(cfg, rt, tensors)
     log_score(log, "final_int6_roundtrip", roundtrip := scorer(model, cfg.eval_seq_len))
     if cfg.sliding_eval_enabled:  # without it TTT's score is the only one at EVAL_STRIDE (as the records' TTT runs)
@@ -3724,9 +3700,8 @@ def error_text(e: BaseException) -> str:
 
 
 def report_error(e: BaseException) -> int:
-    """One line on stderr for an error that ends the run. One every rank meets alike comes from rank 0: the others
-    wait for torchrun to end them once rank 0 has exited (one exiting first got rank 0 killed before it printed), and
-    print it themselves if it does not come (then only they met it)."""
+    """One line on stderr for an error that ends the run. One every rank meets comes from rank 0: the others wait
+    for torchrun to end them (one exiting first got rank 0 killed before it printed), else print it themselves."""
     rank = int(os.environ.get("RANK", "0"))
     if rank and isinstance(e, (ValueError, OSError, FloatingPointError, KeyboardInterrupt)):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
