@@ -3022,7 +3022,7 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def shipped_code(source: str) -> bytes:
-    """The train_gpt.py a record ships (code_bytes): a stub running this source from xz + base85 (211 KB -> 74 KB),
+    """The train_gpt.py a record ships (code_bytes): a stub running this source from xz + base85 (221 KB -> 77 KB),
     registered in linecache for @triton.jit. Self-contained: records/package_record.py takes it from a log."""
     import base64
     import lzma
