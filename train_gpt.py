@@ -1286,8 +1286,8 @@ def qk_norm_rope_reference(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_
 def document_mask(ids_BT: Tensor) -> Tensor:
     """(B, 1, T, T) attention mask: causal, within a document (a BOS to the next; a row's start is one more)."""
     docs, T = torch.cumsum(ids_BT == BOS_ID, dim=1), ids_BT.size(1)
-    return ((docs[:, :, None] == docs[:, None, :]) & torch.ones(T, T, dtype=torch.bool,
-                                                                device=ids_BT.device).tril())[:, None]
+    causal = torch.ones(T, T, dtype=torch.bool, device=ids_BT.device).tril()
+    return ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
 
 
 def document_segments(ids_BT: Tensor) -> Tensor:
@@ -1643,8 +1643,8 @@ class GPT(nn.Module):
         u = F.linear(h, layer_matrix(f.banks, "mlp.up", i, L))
         u = F.leaky_relu(u, cfg.mlp_negative_slope) if cfg.mlp_negative_slope > 0 else F.relu(u)
         u = F.linear(observe(f.hessians, ("mlp.down",), i, u.square()), layer_matrix(f.banks, "mlp.down", i, L))
-        return self.blocks[i].mlp_scale.to(x.dtype) * (u if f.adapter is None else u + f.adapter.deltas(("mlp",), s,
-                                                                                                        h)[0])
+        u = u if f.adapter is None else u + f.adapter.deltas(("mlp",), s, h)[0]
+        return self.blocks[i].mlp_scale.to(x.dtype) * u
 
     def raw_logits(self, ids_BT: Tensor, adapter: Adapter | None = None, one_doc: bool = False,
                    mode: Mode = SCORING) -> Tensor:
@@ -2006,8 +2006,8 @@ def softcap_loss_triton(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Ten
     return softcap_cross_entropy(logits_NV, targets_N, cap).mean()
 
 
-TRITON_OPS = Ops(qk_norm_rope_triton, exclusive_self_attention_triton,
-                 softcap_loss_triton) if triton is not None else None
+TRITON_OPS = None if triton is None else Ops(qk_norm_rope_triton, exclusive_self_attention_triton,
+                                              softcap_loss_triton)
 
 
 def build_model(cfg: Hyperparameters, rt: Runtime) -> GPT:
@@ -2085,9 +2085,8 @@ class Scorer:
     def windows(self, stride: int, per_doc: bool = False) -> Tensor:
         """sliding_windows over the targets, with DOC_ISOLATION (or per_doc) over each document's own (BOS to BOS)."""
         n, T, starts = self.tokens.numel() - 1, self.cfg.eval_seq_len, self.doc_starts(per_doc)
-        wins = [(s + a, s + b, s + c) for s, e in zip(starts, starts[1:] + [n]) for a, b, c in sliding_windows(e - s,
-                                                                                                               T,
-                                                                                                               stride)]
+        wins = [(s + a, s + b, s + c) for s, e in zip(starts, starts[1:] + [n])
+                for a, b, c in sliding_windows(e - s, T, stride)]
         return torch.tensor(wins, dtype=torch.int64, device=self.rt.device).view(-1, 3)
 
     def doc_starts(self, per_doc: bool = False) -> list[int]:
@@ -2217,8 +2216,8 @@ def sgd_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> Sc
     n_chunks, wins = -(-n_targets // C), scorer.windows(cfg.eval_stride)
     win_chunk = wins[:, 1] // C
     frozen = list(range(cfg.ttt_freeze_blocks))
-    params = [p for n,
-              p in model.named_parameters() if not (n.startswith("blocks.") and int(n.split(".")[1]) in frozen)]
+    params = [p for n, p in model.named_parameters()
+              if not (n.startswith("blocks.") and int(n.split(".")[1]) in frozen)]
     opt = torch.optim.SGD(params, lr=cfg.ttt_lr, momentum=cfg.ttt_momentum)
     fn_score, fn_train = scorer.logits_fn(model), compiled(model.logits, rt)  # training rows cross documents
     rows = -(-cfg.ttt_batch_seqs // rt.world_size)  # fixed per-rank batch shape (padded): one compile
@@ -2382,15 +2381,30 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, prob
 
 @dataclass(frozen=True)
 class TTTMode:
-    """A legal TTT mode (TTT_MODE): its scorer, the backends its updates need under DOC_ISOLATION (none: any), and
-    whether its gain is measured against per-document windows (then scored too)."""
+    """A legal TTT mode (TTT_MODE): its scorer, the backends its updates need under DOC_ISOLATION (none: any),
+    whether its gain is measured against per-document windows (then scored too), and what compiles its graphs
+    before any clock (cfg, rt, a model of random weights, scorer)."""
     score: Callable[..., Score]
     update_backends: Callable[[Hyperparameters], tuple[str, ...]]
     per_doc_baseline: bool
+    precompile: Callable | None = None
 
 
-TTT_MODES = {"sgd": TTTMode(sgd_ttt, lambda cfg: ("math",) if cfg.ttt_epochs > 0 else (), False),
-             "lora": TTTMode(lora_ttt, lambda cfg: (), True)}
+def sgd_precompile(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> None:
+    if rt.compile_enabled and cfg.ttt_epochs > 0:  # sgd_ttt's training graph: rows that cross documents
+        x = torch.zeros(-(-cfg.ttt_batch_seqs // rt.world_size), cfg.train_seq_len, dtype=torch.int64, device=rt.device)
+        with grad_flags(model, True), autocast(rt.device):
+            compiled(model.logits, rt)(x).float().sum().backward()
+
+
+def lora_precompile(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
+                    adapter_cls: type[Adapter] | None = None) -> None:
+    adapter = (adapter_cls or DocLoRA)(cfg, cfg.ttt_batch_size, rt.device)
+    lora_warmup(cfg, rt, model, scorer.logits_fn(model), adapter, cfg.phased_ttt_prefix_docs > 0)
+
+
+TTT_MODES = {"sgd": TTTMode(sgd_ttt, lambda cfg: ("math",) if cfg.ttt_epochs > 0 else (), False, sgd_precompile),
+             "lora": TTTMode(lora_ttt, lambda cfg: (), True, lora_precompile)}
 
 
 def check_ttt_backend(cfg: Hyperparameters, rt: Runtime) -> None:
@@ -3510,9 +3524,26 @@ def validation_scorer(cfg: Hyperparameters, rt: Runtime, log: Logger, tokenizer:
     return scorer, sample
 
 
+def precompile_eval(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer) -> None:
+    """Every graph the evaluation runs, compiled before any clock on a model of random weights and zero tokens (no
+    validation token): the scorer's and the TTT mode's. The artifact's model, of the same shapes, finds them cached."""
+    if not rt.compile_enabled:
+        return
+    t0, model, mode = now_ms(rt.device), build_model(cfg, rt), TTT_MODES[cfg.ttt_mode]
+    scorer.warm(scorer.logits_fn(model))
+    if cfg.ttt_enabled and mode.precompile is not None:
+        with grad_flags(model, False):
+            mode.precompile(cfg, rt, model, scorer)
+    del model
+    if rt.device.type == "cuda":
+        torch.cuda.empty_cache()
+    log(f"eval_precompile time:{now_ms(rt.device) - t0:.0f}ms")
+
+
 def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: dict | None,
-          tokenizer: str) -> tuple[GPT, dict | None, float, int]:
-    """(the trained model, EMA applied; GPTQ's Hessians or None; training ms; the signal that stopped it or 0)."""
+          tokenizer: str) -> tuple[GPT, dict | None, float, int, float]:
+    """(the trained model, EMA applied; GPTQ's Hessians or None; training ms; the signal that stopped it or 0; the
+    time.perf_counter() of train_done, where eval_wall starts)."""
     model, files = build_model(cfg, rt), shard_files(cfg.data_path, "train")
     loader = TrainLoader(files, cfg, rt)
     log(f"train_data shards:{len(files)} tokens:{loader.tokens} epochs_at_max_iterations:"
@@ -3526,10 +3557,11 @@ def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: 
         log(f"resumed_from:{cfg.resume} step:{trainer.clock['step']} train_time:{trainer.clock['train_ms']:.0f}ms")
     steps, train_ms, stopped_by = trainer.train(scorer, ema)
     if stopped_by:
-        return model, None, train_ms, stopped_by
+        return model, None, train_ms, stopped_by, 0.0
     if cfg.num_loops > 0 and not trainer.mode.looping:  # stopped before ENABLE_LOOPING_AT: the repeats still score
         log(f"layer_loop:enabled after training step:{steps} (scoring, calibration and export run the repeats)")
     log(f"train_done steps:{steps} train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms")
+    done_at = time.perf_counter()
     if rt.device.type == "cuda":
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
@@ -3553,7 +3585,7 @@ def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: 
     if ema is not None:
         ema.copy_to_model()
         log_score(log, "post_ema", scorer(model, cfg.eval_seq_len))
-    return model, hessians, train_ms, 0
+    return model, hessians, train_ms, 0, done_at
 
 
 def export(cfg: Hyperparameters, rt: Runtime, log: Logger, model: GPT, hessians: dict | None, meta: dict,
@@ -3660,9 +3692,10 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     np.random.seed(cfg.seed)
     log_header(log, cfg, rt, warnings, code, code_bytes)
     scorer, sample = validation_scorer(cfg, rt, log, tokenizer)
-    train_ms, unfitted = 0.0, None
+    precompile_eval(cfg, rt, log, scorer)
+    train_ms, unfitted, eval_start = 0.0, None, time.perf_counter()  # EVAL_ONLY: eval_wall from here
     if not cfg.eval_only:
-        model, hessians, train_ms, stopped_by = train(cfg, rt, log, scorer, ckpt, tokenizer)
+        model, hessians, train_ms, stopped_by, eval_start = train(cfg, rt, log, scorer, ckpt, tokenizer)
         if stopped_by:
             if rt.is_main:  # nothing exported: the claim goes back
                 Path(cfg.artifact_path).unlink(missing_ok=True)
@@ -3681,8 +3714,12 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     if rt.is_main and not cfg.checkpoint_every and not over and trained.is_file():  # the artifact is written, scored
         trained.unlink()
         log(f"checkpoint removed: {trained} (CHECKPOINT_EVERY > 0 keeps it)")
+    # eval_time: the final score's pass, first scored token to last score (the records' count); eval_wall: all after
+    # train_done (export, decoding, every score, any compile)
+    now = time.perf_counter()
     log(f"summary score:{key} val_bpb:{score.bpb:.8f} artifact:{artifact} total_bytes:{total} train_time:"
-        f"{train_ms / 1000:.1f}s wall_time:{time.perf_counter() - t_start:.1f}s"
+        f"{train_ms / 1000:.1f}s eval_time:{score.time_ms / 1000:.1f}s eval_wall:{now - eval_start:.1f}s "
+        f"wall_time:{now - t_start:.1f}s"
         + (" sample_data:not_comparable_to_FineWeb" if sample else ""))
     if over:
         again = trained if trained.is_file() else cfg.resume

@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -287,3 +288,22 @@ def feature_model(name: str, seed: int = 0, backend: str = "math") -> tg.GPT:
             else:
                 p.add_(torch.randn_like(p) * 0.4)
     return model
+
+
+def run_main(monkeypatch, cwd, dataset, tokenizer_path, run_id: str, **overrides) -> str:
+    """train_gpt.main() in this process, in `cwd`, on tiny_env's settings (none of ours from the outer
+    environment); returns the run's log after its copy of the source. main() installs its own signal handlers:
+    the ones before come back."""
+    monkeypatch.chdir(cwd)
+    for k in list(os.environ):
+        if k.lower() in tg.SETTINGS:
+            monkeypatch.delenv(k)
+    for k, v in tiny_env(dataset, tokenizer_path, RUN_ID=run_id, **{"ITERATIONS": 6, **overrides}).items():
+        monkeypatch.setenv(k, v)
+    handlers = {s: signal.getsignal(s) for s in tg.STOP_SIGNALS}
+    try:
+        assert tg.main() == 0
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    return (cwd / "logs" / f"{run_id}.txt").read_text(encoding="utf-8").split("==== end source ====\n", 1)[1]

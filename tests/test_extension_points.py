@@ -14,16 +14,14 @@ config.
 from __future__ import annotations
 
 import functools
-import os
 import re
-import signal
 import sys
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT, tiny_env
+from conftest import ROOT, run_main, tiny_env
 
 import train_gpt as tg
 
@@ -33,25 +31,6 @@ import artifact_report as ar  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ITERATIONS = 6
-
-
-def run_main(monkeypatch, cwd, dataset, tokenizer_path, run_id: str, **overrides) -> str:
-    """train_gpt.main() in this process, in `cwd`, on tiny_env's settings (none of ours from the outer
-    environment); returns the run's log after its copy of the source. main() installs its own signal handlers:
-    the ones before come back."""
-    monkeypatch.chdir(cwd)
-    for k in list(os.environ):
-        if k.lower() in tg.SETTINGS:
-            monkeypatch.delenv(k)
-    for k, v in tiny_env(dataset, tokenizer_path, RUN_ID=run_id, ITERATIONS=ITERATIONS, **overrides).items():
-        monkeypatch.setenv(k, v)
-    handlers = {s: signal.getsignal(s) for s in tg.STOP_SIGNALS}
-    try:
-        assert tg.main() == 0
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
-    return (cwd / "logs" / f"{run_id}.txt").read_text(encoding="utf-8").split("==== end source ====\n", 1)[1]
 
 
 def one_line(log: str, prefix: str) -> str:

@@ -174,7 +174,8 @@ def test_run_says_where_its_outputs_go_and_ends_with_a_summary(seed_runs):
     total = one_line(log, "Total submission size").split(": ")[1].split()[0]
     summary = log.strip().splitlines()[-1]
     assert re.fullmatch(rf"summary score:final_int6_sliding_window val_bpb:{exact} artifact:logs/same_a.int6.ptz "
-                        rf"total_bytes:{total} train_time:\d+\.\ds wall_time:\d+\.\ds", summary), summary
+                        rf"total_bytes:{total} train_time:\d+\.\ds eval_time:\d+\.\ds eval_wall:\d+\.\ds "
+                        rf"wall_time:\d+\.\ds", summary), summary
     assert "\nsample_data:" not in log
     etas = [int(m.group(6)) for m in LOSS_LINE.finditer(log)]
     assert etas[-1] == 0 and etas[0] >= etas[-1]  # the estimated time left counts down to 0

@@ -1,0 +1,73 @@
+"""The evaluation's graphs compiled before any clock, and its two clocks (issue 57), through train_gpt's own main()
+in this process on the tiny CPU config: compile on (COMPILE_ENABLED=1) with torch.compile itself stubbed, so the
+precompile, every warmup and every scoring loop run the code a GPU run runs.
+
+No validation token enters a forward, a backward or a warmup before it is scored: the scorer's tokens are poisoned
+(ids past the vocabulary, BOS kept so documents stay findable: reading val for its document lengths is allowed)
+from the scorer's start to each scoring loop's timed steps, and again during every loop's warmup. A forward, a
+backward or a byte lookup of a poisoned token raises. Within a loop, score-before-train is
+tests/test_ttt_phased.py's and tests/test_ttt_lora.py's claim."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from conftest import run_main
+
+import train_gpt as tg
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def poisoned(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.where(tokens == tg.BOS_ID, tokens, torch.full_like(tokens, 10 ** 6))
+
+
+def poison_the_scorer(monkeypatch) -> list[int]:
+    """Scorer with poisoned tokens but in its loops' timed steps; returns the steps of each loop, as they come."""
+    real_init, real_loop, loops = tg.Scorer.__init__, tg.Scorer.loop, []
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.real_tokens, self.tokens = self.tokens, poisoned(self.tokens)
+
+    def loop(self, warmup, steps, step, *args, **kwargs):
+        warmup()  # poisoned
+        self.tokens = self.real_tokens
+        loops.append(len(steps))
+        try:
+            return real_loop(self, lambda: None, steps, step, *args, **kwargs)
+        finally:
+            self.tokens = poisoned(self.real_tokens)
+    monkeypatch.setattr(tg.Scorer, "__init__", init)
+    monkeypatch.setattr(tg.Scorer, "loop", loop)
+    monkeypatch.setattr(tg, "compiled", lambda fn, rt: fn)
+    return loops
+
+
+@pytest.mark.parametrize("ttt", [dict(TTT_MODE="lora", PHASED_TTT_PREFIX_DOCS=6, PHASED_TTT_NUM_PHASES=2,
+                                      GLOBAL_TTT_CHUNK_TOKENS=64, DOC_ISOLATION=0),
+                                 dict(TTT_MODE="sgd", TTT_EPOCHS=1, TTT_CHUNK_TOKENS=2048, TTT_BATCH_SEQS=4)],
+                         ids=["lora", "sgd"])
+def test_no_validation_token_enters_a_forward_before_its_scoring(monkeypatch, tmp_path, dataset, tokenizer_path,
+                                                                   ttt):
+    loops = poison_the_scorer(monkeypatch)
+    log = run_main(monkeypatch, tmp_path, dataset, tokenizer_path, "poison", COMPILE_ENABLED=1, TTT_ENABLED=1,
+                   GPTQ_CALIBRATION_BATCHES=2, VAL_LOSS_EVERY=3, **ttt)
+    assert re.search(r"^eval_precompile time:\d+ms$", log, re.M)  # the precompile ran, on poisoned tokens
+    # mid-training, post-training, post-EMA, roundtrip, sliding, (per document), TTT: all scored, each after warmup
+    assert len(loops) >= 6 and "legal_ttt_exact" in log
+    if ttt["TTT_MODE"] == "lora":
+        assert "phases:[3, 6]" in log  # the phases' global SGD ran (on scored documents only)
+
+
+def test_the_summary_gives_eval_time_and_eval_wall(monkeypatch, tmp_path, dataset, tokenizer_path):
+    """eval_time: the final score's pass (here TTT's), as its own line times it; eval_wall: all from train_done on."""
+    log = run_main(monkeypatch, tmp_path, dataset, tokenizer_path, "clocks", TTT_ENABLED=1)
+    ttt_ms = float(re.search(r"^legal_ttt .* eval_time:(\d+)ms", log, re.M).group(1))
+    summary = log.strip().splitlines()[-1]
+    eval_s, wall_s = (float(re.search(rf" {k}:([\d.]+)s", summary).group(1)) for k in ("eval_time", "eval_wall"))
+    assert summary.startswith("summary score:legal_ttt ") and eval_s == pytest.approx(ttt_ms / 1000, abs=0.051)
+    assert wall_s >= eval_s
