@@ -227,8 +227,7 @@ class Hyperparameters:
                                    POSITIVE, on="lqer_enabled")
     gptq_calibration_batches: int = setting(16, "GPTQ's X^T X from this many train micro-batches per rank (0 = off)",
                                             NON_NEGATIVE)
-    # 16 batches took 1.9 s at 65,536-token micro-batches (one H200; the record's 2.3 s there, 3.5-3.6 s in later
-    # records' 8xH100 logs at 98,304): about 3 s, and 1.5 s of margin (the later records' safe setting)
+    # 16 batches: about 3 s at the record's micro-batch, and 1.5 s of margin (records/PERFORMANCE.md "Now")
     gptq_reserve_seconds: float = setting(4.5, "training stops this much before the wallclock cap, for the calibration",
                                           NON_NEGATIVE, on="gptq_calibration_batches")
     auto_size: float = setting(0.0, "MLP width (or bigram table, MLP_MULT set) filling this fraction of the limit (0 "
@@ -933,22 +932,19 @@ class Optimizers:
     def step(self) -> Tensor:
         """One optimizer step over reduced gradients; returns the global grad norm (pre-clip)."""
         self.muon.launch_reduce_scatter()
-        grads = [p.grad for p in self.replicated if p.grad is not None]
-        replicated = FlatTensors(grads) if grads else None
+        # never empty: the token table is in every forward
+        replicated = FlatTensors([p.grad for p in self.replicated if p.grad is not None])
         sq = self.muon.finish_reduce_scatter()
-        if replicated is not None:
-            flat = replicated.mean()
-            if self.rank == 0:  # replicated grads are identical on all ranks: count them once
-                sq = sq + flat.dot(flat)
+        flat = replicated.mean()
+        if self.rank == 0:  # replicated grads are identical on all ranks: count them once
+            sq = sq + flat.dot(flat)
         all_reduce_sum_(sq)
         norm = sq.sqrt()
         if self.clip_norm > 0:
             coef = (self.clip_norm / (norm + 1e-6)).clamp(max=1.0)
             self.muon.scale_grads_(coef)
-            if replicated is not None:
-                flat.mul_(coef)
-        if replicated is not None:
-            replicated.write_back()
+            flat.mul_(coef)
+        replicated.write_back()
         self.adam.step()
         self.muon.step()
         return norm
@@ -1591,12 +1587,10 @@ class GPT(nn.Module):
         return Pass({k: b.to(dtype) for k, b in banks.items()}, ve_BTK, mask, adapter, hessians)
 
     def skip_in(self, j: int, skip: Tensor, x: Tensor, lanes: tuple | None) -> tuple[Tensor, tuple | None]:
-        """U-Net skip j into x, or the attention's lane: sig(g) into + (1 - sig(g)) skip (ungated: + skip)."""
+        """U-Net skip j into x, or the attention's lane: sig(g) x + (1 - sig(g)) skip, or + skip."""
         skip, into = self.skip_weights[j].to(x.dtype) * skip, x if lanes is None else lanes[0]
-        if self.cfg.skip_gates_enabled:
-            into = torch.lerp(skip, into, torch.sigmoid(self.skip_gates[j].to(x.dtype)))
-        else:
-            into = into + skip
+        into = (torch.lerp(skip, into, torch.sigmoid(self.skip_gates[j].to(x.dtype)))
+                if self.cfg.skip_gates_enabled else into + skip)
         return (into, None) if lanes is None else (x, (into, lanes[1]))
 
     def layer(self, i: int, s: int, x: Tensor, x0: Tensor, lanes: tuple | None, f: Pass) -> tuple[Tensor, tuple | None]:
@@ -2382,8 +2376,7 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, prob
 @dataclass(frozen=True)
 class TTTMode:
     """A legal TTT mode (TTT_MODE): its scorer, the backends its updates need under DOC_ISOLATION (none: any),
-    whether its gain is measured against per-document windows (then scored too), and what compiles its graphs
-    before any clock (cfg, rt, a model of random weights, scorer)."""
+    whether its gain is measured against per-document windows (then scored too), its graphs' precompile."""
     score: Callable[..., Score]
     update_backends: Callable[[Hyperparameters], tuple[str, ...]]
     per_doc_baseline: bool
@@ -2408,7 +2401,7 @@ TTT_MODES = {"sgd": TTTMode(sgd_ttt, lambda cfg: ("math",) if cfg.ttt_epochs > 0
 
 
 def check_ttt_backend(cfg: Hyperparameters, rt: Runtime) -> None:
-    """Updates of rows that cross documents need a mask (varlen's cu_seqlens do not count sgd's)."""
+    """Updates of rows that cross documents need a mask (varlen's do not count sgd's)."""
     need = TTT_MODES[cfg.ttt_mode].update_backends(cfg) if cfg.ttt_enabled and cfg.doc_isolation else ()
     if need and rt.attn_backend not in need:
         raise ValueError(f"DOC_ISOLATION=1: TTT_MODE={cfg.ttt_mode} updates on ATTN_BACKEND={' or '.join(need)} "
@@ -2732,8 +2725,7 @@ def fit_to_limit(cfg: Hyperparameters, explicit: set[str], code_bytes: int) -> H
 def calibrate(model: GPT, loader: TrainLoader, batches: int) -> dict[tuple[str, int], Tensor]:
     """GPTQ's H = X^T X of every bank matrix and the output head over `batches` train micro-batches per rank (train
     data only), summed over ranks."""
-    # X^T X under the run's TF32, as the records: 1.9 s for 16 batches of 65,536 tokens against 4.5-4.7 s with TF32 off
-    # (one H200, one checkpoint), for a roundtrip 3e-6 bpb worse and 264 bytes larger
+    # X^T X under the run's TF32, as the records: 2.4x faster than without, 3e-6 bpb worse (PERFORMANCE.md "Now")
     hessians, seen = {}, 0
     while seen < batches:
         for x, _ in loader.next_batch()[: batches - seen]:
@@ -2747,9 +2739,8 @@ def calibrate(model: GPT, loader: TrainLoader, batches: int) -> dict[tuple[str, 
 
 def dequantize_state(packed: dict[str, Tensor], template: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
     """Inverse of quantize_state, checked against the state_dict of a freshly built model."""
-    flat = {}
-    for name, stored in stored_weights(packed).items():
-        flat[name] = functools.reduce(torch.add, (fmt.dequantize(parts) for fmt, parts in stored))
+    flat = {name: functools.reduce(torch.add, (fmt.dequantize(parts) for fmt, parts in stored))
+            for name, stored in stored_weights(packed).items()}
     want = unbank(template, num_layers)
     missing, extra = sorted(set(want) - set(flat)), sorted(set(flat) - set(want))
     if missing or extra:
@@ -3525,8 +3516,8 @@ def validation_scorer(cfg: Hyperparameters, rt: Runtime, log: Logger, tokenizer:
 
 
 def precompile_eval(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer) -> None:
-    """Every graph the evaluation runs, compiled before any clock on a model of random weights and zero tokens (no
-    validation token): the scorer's and the TTT mode's. The artifact's model, of the same shapes, finds them cached."""
+    """Every graph the evaluation runs (the scorer's, the TTT mode's), compiled before any clock on a model of random
+    weights and zero tokens; the artifact's model, of the same shapes, finds them cached."""
     if not rt.compile_enabled:
         return
     t0, model, mode = now_ms(rt.device), build_model(cfg, rt), TTT_MODES[cfg.ttt_mode]
@@ -3542,8 +3533,8 @@ def precompile_eval(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scor
 
 def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: dict | None,
           tokenizer: str) -> tuple[GPT, dict | None, float, int, float]:
-    """(the trained model, EMA applied; GPTQ's Hessians or None; training ms; the signal that stopped it or 0; the
-    time.perf_counter() of train_done, where eval_wall starts)."""
+    """(the trained model, EMA applied; GPTQ's Hessians or None; training ms; the signal that stopped it or 0;
+    train_done's time.perf_counter())."""
     model, files = build_model(cfg, rt), shard_files(cfg.data_path, "train")
     loader = TrainLoader(files, cfg, rt)
     log(f"train_data shards:{len(files)} tokens:{loader.tokens} epochs_at_max_iterations:"
@@ -3714,8 +3705,7 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     if rt.is_main and not cfg.checkpoint_every and not over and trained.is_file():  # the artifact is written, scored
         trained.unlink()
         log(f"checkpoint removed: {trained} (CHECKPOINT_EVERY > 0 keeps it)")
-    # eval_time: the final score's pass, first scored token to last score (the records' count); eval_wall: all after
-    # train_done (export, decoding, every score, any compile)
+    # eval_time: the final score's pass (the records' count); eval_wall: all from train_done on (README)
     now = time.perf_counter()
     log(f"summary score:{key} val_bpb:{score.bpb:.8f} artifact:{artifact} total_bytes:{total} train_time:"
         f"{train_ms / 1000:.1f}s eval_time:{score.time_ms / 1000:.1f}s eval_wall:{now - eval_start:.1f}s "

@@ -729,7 +729,9 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(exist_ok=True)
     ex = Executor(tg, Path.cwd(), args.run_timeout, len(slots))
     t0 = time.monotonic()
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: the runs, in sessions of their own, get none of these
+    # as Ctrl-C: the runs, in sessions of their own, get none of these; SIGINT too: a sweep started in the background
+    # (`cmd &`, nohup) has it ignored, which its runs would inherit, and then SIGINT would stop none of them
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     try:
         ex.start([[r for r in runs if r.slot == i] for i in range(len(slots))])
