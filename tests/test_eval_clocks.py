@@ -51,7 +51,7 @@ def poison_the_scorer(monkeypatch) -> list[int]:
                                       GLOBAL_TTT_CHUNK_TOKENS=64, DOC_ISOLATION=0),
                                  dict(TTT_MODE="sgd", TTT_EPOCHS=1, TTT_CHUNK_TOKENS=2048, TTT_BATCH_SEQS=4)],
                          ids=["lora", "sgd"])
-def test_no_validation_token_enters_a_forward_before_its_scoring(monkeypatch, tmp_path, dataset, tokenizer_path,
+def test_no_validation_token_enters_a_forward_before_its_scoring_and_the_clocks(monkeypatch, tmp_path, dataset, tokenizer_path,
                                                                    ttt):
     loops = poison_the_scorer(monkeypatch)
     log = run_main(monkeypatch, tmp_path, dataset, tokenizer_path, "poison", COMPILE_ENABLED=1, TTT_ENABLED=1,
@@ -61,11 +61,8 @@ def test_no_validation_token_enters_a_forward_before_its_scoring(monkeypatch, tm
     assert len(loops) >= 6 and "legal_ttt_exact" in log
     if ttt["TTT_MODE"] == "lora":
         assert "phases:[3, 6]" in log  # the phases' global SGD ran (on scored documents only)
-
-
-def test_the_summary_gives_eval_time_and_eval_wall(monkeypatch, tmp_path, dataset, tokenizer_path):
-    """eval_time: the final score's pass (here TTT's), as its own line times it; eval_wall: all from train_done on."""
-    log = run_main(monkeypatch, tmp_path, dataset, tokenizer_path, "clocks", TTT_ENABLED=1)
+    # the summary's clocks: eval_time, the final score's pass (here TTT's) as its own line times it; eval_wall, all
+    # from train_done on
     ttt_ms = float(re.search(r"^legal_ttt .* eval_time:(\d+)ms", log, re.M).group(1))
     summary = log.strip().splitlines()[-1]
     eval_s, wall_s = (float(re.search(rf" {k}:([\d.]+)s", summary).group(1)) for k in ("eval_time", "eval_wall"))
