@@ -408,8 +408,8 @@ class Hyperparameters:
     def parallel_start(self) -> int:
         """The first parallel layer; NUM_LAYERS when there is none (off, or the default past a shallow model's
         depth)."""
-        P = self.parallel_start_layer
-        return P if 0 < P < self.num_layers else self.num_layers
+        first = self.parallel_start_layer
+        return first if 0 < first < self.num_layers else self.num_layers
 
     @property
     def loop_layers(self) -> tuple[int, int]:
@@ -2315,8 +2315,8 @@ def lora_batch(cfg: Hyperparameters, rt: Runtime, scorer: Scorer, fn: Callable, 
                batch: list[list[tuple[int, int, int]]], keep: bool, probe: dict | None) -> Tensor:
     """One lockstep batch (most chunks first): step c scores chunk c of each document still going, then takes
     TTT_GRAD_STEPS AdamW steps on each row's mean chunk NLL (none on a last chunk); returns the sums."""
-    sums, R, T = torch.zeros(3, dtype=torch.float64, device=rt.device), cfg.ttt_batch_size, cfg.eval_seq_len
-    plan = torch.zeros(len(batch[0]), R, 4, dtype=torch.int64)  # step c's rows: window, trained; one copy
+    sums, rows, T = torch.zeros(3, dtype=torch.float64, device=rt.device), cfg.ttt_batch_size, cfg.eval_seq_len
+    plan = torch.zeros(len(batch[0]), rows, 4, dtype=torch.int64)  # step c's rows: window, trained; one copy
     for r, d in enumerate(batch):
         plan[:len(d), r, :3] = torch.tensor(d)
         plan[:len(d) - 1, r, 3] = 1  # the last chunk is not trained on
@@ -2329,7 +2329,7 @@ def lora_batch(cfg: Hyperparameters, rt: Runtime, scorer: Scorer, fn: Callable, 
         going = [d[c] for d in batch if c < len(d)]  # the batch's first rows: most chunks first
         # rows rounded up to 8, as long as the longest window needs (a power of two, max(T/16, 8)..T; below 8
         # dynamo would specialise): a step costs what it holds; causal attention keeps it exact
-        n = min(R, -(-len(going) // 8) * 8)
+        n = min(rows, -(-len(going) // 8) * 8)
         length = min(T, max(T // 16, 8, 1 << (max(hi - s for s, _, hi in going) - 1).bit_length()))
         w = plan[c, :n]
         for step in range(max(cfg.ttt_grad_steps, 1)):
@@ -3442,10 +3442,10 @@ def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[st
         log(f"predicted_size total:{predicted} limit:{SIZE_LIMIT_BYTES} headroom:{SIZE_LIMIT_BYTES - predicted}")
     with torch.device("meta"):
         log(f"model_params:{sum(p.numel() for p in GPT(cfg).parameters())}")
-    order, P, L = layer_order(cfg, True), cfg.parallel_start_layer, cfg.num_layers
+    order, first = layer_order(cfg, True), cfg.parallel_start_layer
     lanes = sorted({i for i, two in zip(order, parallel_positions(cfg, True)) if two})
-    log(f"layers order:{order} parallel:{lanes or 'none'}"
-        + (f" (PARALLEL_START_LAYER={P} is past NUM_LAYERS={L})" if P >= L else ""))
+    log(f"layers order:{order} parallel:{lanes or 'none'}" + (f" (PARALLEL_START_LAYER={first} is past NUM_LAYERS="
+                                                              f"{cfg.num_layers})" if first >= cfg.num_layers else ""))
 
 
 def log_score(log: Logger, key: str, s: Score, extra: str = "") -> None:
