@@ -166,7 +166,7 @@ class Hyperparameters:
     smear_bos_fix: bool = setting(True, "SmearGate mixes nothing into a document's BOS from the one before", model=True)
     doc_isolation: bool = setting(True, "nothing crosses a BOS: block-diagonal attention, BigramHash (train and score)",
                                   model=True)
-    attn_backend: str = setting("auto", "auto on CUDA: varlen to train with DOC_ISOLATION, else fa3 if importable, "
+    attn_backend: str = setting("auto", "auto on CUDA: fa3 if importable, else varlen to train with DOC_ISOLATION, "
                                 "else SDPA cudnn; math on CPU", ("auto", "fa3", "flash", "cudnn", "math", "varlen"))
     kernels: str = setting("auto", "q/k norm+RoPE, XSA, softcap CE: auto = triton on CUDA, torch ops on CPU (triton "
                            "there needs TRITON_INTERPRET=1)", ("auto", "triton", "torch"))
@@ -495,6 +495,9 @@ def parallel_positions(cfg: Hyperparameters, looping: bool) -> list[bool]:
 
 # ===== Runtime: the "auto" choices resolved once, distributed helpers, logging, clock =====
 
+SEGMENT_BACKENDS = ("varlen", "fa3")  # DOC_ISOLATION by document_segments' cu_seqlens instead of a mask
+
+
 @dataclass(frozen=True)
 class Runtime:
     """What the settings and the machine decide together, resolved once (init_runtime) and logged (`layout`). The
@@ -549,10 +552,10 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
     else:  # cuDNN SDPA (native GQA) ran fwd+bwd in 2.40 ms vs 3.71 for SDPA flash at the record micro-batch (H200)
         import importlib.util
         fa3 = importlib.util.find_spec("flash_attn_interface")
-        attn = ("varlen" if cfg.doc_isolation and not cfg.eval_only else "fa3" if fa3 else "cudnn") if cuda else "math"
+        attn = ("fa3" if fa3 else "varlen" if cfg.doc_isolation and not cfg.eval_only else "cudnn") if cuda else "math"
     # DOC_ISOLATION's rows that cross documents need a mask (varlen's sized by TrainLoader); scoring rows do not
-    if cfg.doc_isolation and not cfg.eval_only and attn not in ("math", "varlen"):
-        raise ValueError(f"DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen (the backend here is {attn}); "
+    if cfg.doc_isolation and not cfg.eval_only and attn not in ("math", *SEGMENT_BACKENDS):
+        raise ValueError(f"DOC_ISOLATION=1 trains on ATTN_BACKEND=math, varlen or fa3 (the backend here is {attn}); "
                          "EVAL_ONLY scoring runs on any")
     if attn == "varlen" and not cfg.doc_isolation:  # and not chosen by auto: not yet measured
         raise ValueError("ATTN_BACKEND=varlen is DOC_ISOLATION=1's backend")
@@ -1187,7 +1190,7 @@ class TrainLoader:
         self.rt, self.seq_len, self.seqs_per_step = rt, cfg.train_seq_len, cfg.train_batch_tokens // cfg.train_seq_len
         self.seqs_per_micro = self.seqs_per_step // (rt.world_size * rt.grad_accum_steps)
         self.ahead = None  # (sampler state before it, x, y, copy-done event) of the prefetched step
-        varlen = cfg.doc_isolation and rt.attn_backend == "varlen"
+        varlen = cfg.doc_isolation and rt.attn_backend in SEGMENT_BACKENDS
         self.max_docs = self.seqs_per_micro * (1 + cfg.train_seq_len // DOC_BOUNDARY_TOKENS) if varlen else 0
         if rt.device.type == "cuda":
             shape = (rt.grad_accum_steps * self.seqs_per_micro, self.seq_len)
@@ -1296,11 +1299,16 @@ def document_segments(ids_BT: Tensor) -> Tensor:
 
 
 def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str, mask: Tensor | None = None) -> Tensor:
-    """Causal attention; with a document_mask (SDPA) or varlen's document_segments (torch's varlen_attn), within
-    each document. varlen takes K/V repeated: unrepeated (FlashAttention-2's own GQA) the step was 0.8% slower."""
-    if mask is not None and backend == "varlen":
-        from torch.nn.attention.varlen import varlen_attn
+    """Causal attention; with a document_mask (SDPA) or document_segments (varlen, fa3), within each document.
+    varlen takes K/V repeated: unrepeated (FlashAttention-2's own GQA) the step was 0.8% slower."""
+    if mask is not None and backend in SEGMENT_BACKENDS:
         (B, T, H, D), K = q_BTHD.shape, k_BTKD.size(2)
+        if backend == "fa3":  # FlashAttention-3's varlen call, as the records make it; its GQA on unrepeated K/V
+            from flash_attn_interface import flash_attn_varlen_func
+            y = flash_attn_varlen_func(q_BTHD.reshape(B * T, H, D), k_BTKD.reshape(B * T, K, D),
+                                       v_BTKD.reshape(B * T, K, D), mask, mask, T, T, causal=True)
+            return (y[0] if isinstance(y, tuple) else y).view(B, T, H, D)
+        from torch.nn.attention.varlen import varlen_attn
         k, v = (t.repeat_interleave(H // K, 2).reshape(B * T, H, D) for t in (k_BTKD, v_BTKD))
         return varlen_attn(q_BTHD.reshape(B * T, H, D), k, v, mask, mask, T, T, window_size=(-1, 0)).view(B, T, H, D)
     if mask is None and backend == "fa3":
@@ -1582,7 +1590,7 @@ class GPT(nn.Module):
         if cfg.ve_layer_list:
             ve_BTK = self.ve.proj(self.ve.embed(ids_BT))
             ve_BTK = ve_BTK * self.ve.scale.to(ve_BTK.dtype)
-        docs = document_segments if self.attn_backend == "varlen" else document_mask
+        docs = document_segments if self.attn_backend in SEGMENT_BACKENDS else document_mask
         mask = docs(ids_BT) if cfg.doc_isolation and not one_doc else None  # built once for all layers
         return Pass({k: b.to(dtype) for k, b in banks.items()}, ve_BTK, mask, adapter, hessians)
 

@@ -2,6 +2,7 @@
 the int6 grid of late QAT, and the FlashAttention-3 adapter."""
 from __future__ import annotations
 
+import importlib.util
 import math
 import sys
 import types
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import MODEL_CONFIGS, feature_model, make_cfg, rms, rope_reference
+from conftest import MODEL_CONFIGS, ROOT, feature_model, make_cfg, rms, rope_reference
 
 import train_gpt as tg
 
@@ -263,7 +264,7 @@ def test_doc_isolation_refuses_the_smear_without_its_bos_fix_and_gpu_backends(mo
     tiny = dict(NUM_LAYERS=2, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=1, VOCAB_SIZE=64, VE_LAYERS="1", DOC_ISOLATION=1)
     assert tg.init_runtime(make_cfg(**tiny, DEVICE="cpu"), {}).attn_backend == "math"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the check comes before any CUDA call
-    with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math or varlen .* cudnn"):
+    with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math, varlen or fa3 .* cudnn"):
         tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", ATTN_BACKEND="cudnn"), {})
     with pytest.raises(ValueError, match="ATTN_BACKEND=varlen is DOC_ISOLATION=1's backend"):
         tg.init_runtime(make_cfg(**(tiny | dict(DOC_ISOLATION=0)), DEVICE="cuda", KERNELS="torch", ATTN_BACKEND="varlen"), {})
@@ -286,6 +287,11 @@ def test_doc_isolation_refuses_the_smear_without_its_bos_fix_and_gpu_backends(mo
             tg.check_ttt_backend(cfg, tg.init_runtime(cfg, {}))
         cfg = make_cfg(**sgd, TTT_EPOCHS=0, ATTN_BACKEND="varlen")  # scoring alone: any backend
         tg.check_ttt_backend(cfg, tg.init_runtime(cfg, {}))
+        assert tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch"), {}).attn_backend == "varlen"
+        real_find = importlib.util.find_spec  # FA3 importable: it trains (its varlen call) and scores
+        monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: n == "flash_attn_interface" or real_find(n, *a))
+        for extra in ({}, dict(EVAL_ONLY="a.ptz")):
+            assert tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", **extra), {}).attn_backend == "fa3"
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
@@ -593,6 +599,58 @@ def test_varlen_backend_equals_the_document_mask(monkeypatch, name):
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-9, atol=1e-9)
     for n, grad in outs[0][1].items():
         torch.testing.assert_close(outs[1][1][n], grad, rtol=1e-8, atol=1e-10, msg=n)
+
+
+@pytest.fixture
+def fa3_standin(monkeypatch):
+    """tools/standin/flash_attn_interface.py as the flash_attn_interface module: FA3's calls, checked as its kernels
+    check them, computed by SDPA per sequence."""
+    spec = importlib.util.spec_from_file_location("flash_attn_interface",
+                                                  ROOT / "tools" / "standin" / "flash_attn_interface.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", mod)
+    return mod
+
+
+@pytest.mark.parametrize("name", ["full", "gates"])
+def test_fa3_varlen_equals_the_document_mask(monkeypatch, fa3_standin, name):
+    """ATTN_BACKEND=fa3 under DOC_ISOLATION: FA3's varlen call with our padded cu_seqlens (the records' call), K/V not
+    repeated, (out, lse) unpacked; logits and gradients equal the math backend's masked SDPA."""
+    monkeypatch.setattr(tg, "DOC_BOUNDARY_TOKENS", 4)
+    masked, fa3 = (perturbed_feature_model(name, DOC_ISOLATION=1) for _ in range(2))
+    fa3.attn_backend = "fa3"
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(2, masked.cfg.vocab_size, (3, 24), generator=g)
+    ids[0, [4, 9]] = ids[1, 0] = ids[2, [1, 2, 20]] = tg.BOS_ID
+    outs = []
+    for model in (masked, fa3):
+        logits = model.logits(ids)
+        logits.square().sum().backward()
+        outs.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-9, atol=1e-9)
+    for n, grad in outs[0][1].items():
+        torch.testing.assert_close(outs[1][1][n], grad, rtol=1e-8, atol=1e-10, msg=n)
+    cfg, calls = fa3.cfg, fa3_standin.CALLS
+    assert len(calls) == len(tg.layer_order(cfg, True))  # one a position; the scorer's one_doc rows take the dense call
+    for c in calls:
+        assert c["q"].shape == (3 * 24, cfg.num_heads, cfg.head_dim) and c["causal"] is True
+        assert c["k"].shape == c["v"].shape == (3 * 24, cfg.num_kv_heads, cfg.head_dim)  # GQA: not repeated
+        assert torch.equal(c["cu_q"], tg.document_segments(ids)) and torch.equal(c["cu_k"], c["cu_q"])
+        assert c["max_q"] == c["max_k"] == 24
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernel needs a GPU")
+def test_fa3_varlen_matches_the_varlen_kernel_on_the_gpu(fa3_standin):
+    """The same call on the GPU, in bf16 under autocast, against torch's varlen_attn: within bf16 tolerance."""
+    cuda = torch.device("cuda")
+    varlen = perturbed_feature_model("full", DOC_ISOLATION=1).to(cuda)
+    fa3 = perturbed_feature_model("full", DOC_ISOLATION=1).to(cuda)
+    varlen.attn_backend, fa3.attn_backend = "varlen", "fa3"
+    ids = torch.randint(2, fa3.cfg.vocab_size, (4, 256), generator=torch.Generator().manual_seed(7)).to(cuda)
+    ids[:, ::37] = tg.BOS_ID
+    with torch.no_grad(), tg.autocast(cuda):
+        torch.testing.assert_close(fa3.logits(ids).float(), varlen.logits(ids).float(), rtol=2e-2, atol=2e-2)
 
 
 def test_varlen_loader_refuses_a_batch_with_more_documents_than_cu_seqlens_holds(tmp_path):
