@@ -3035,11 +3035,48 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def shipped_code(source: str) -> bytes:
-    """The train_gpt.py a record ships (code_bytes): a stub running this source from xz + base85 (221 KB -> 77 KB),
-    registered in linecache for @triton.jit. Self-contained: records/package_record.py takes it from a log."""
+    """The train_gpt.py a record ships (code_bytes): this source without its prose (comments, docstrings, the
+    settings' meanings: the README's) and with its indentation cut to a space a level, xz + base85 in a stub that runs
+    it, registered in linecache for @triton.jit. Self-contained: records/package_record.py takes it from a log."""
+    import ast
     import base64
+    import io
     import lzma
-    packed = base64.b85encode(lzma.compress(source.encode("utf-8"), preset=9 | lzma.PRESET_EXTREME)).decode()
+    import tokenize
+    lines = source.split("\n")
+    char = lambda r, c: len(lines[r - 1].encode("utf-8")[:c].decode("utf-8"))  # ast's columns count UTF-8 bytes
+    for node in sorted((n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call) and len(n.args) > 1 and
+                        getattr(n.func, "id", "") == "setting"), key=lambda n: -n.lineno):
+        m = node.args[1]
+        lines[m.lineno - 1] = lines[m.lineno - 1][:char(m.lineno, m.col_offset)] + '""' + \
+            lines[m.end_lineno - 1][char(m.end_lineno, m.end_col_offset):]
+        del lines[m.lineno:m.end_lineno]
+    source = "\n".join(lines)
+    docs, drop, cut, fixed, depth_at, depth = {}, set(), {}, set(), {}, 0
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and isinstance(body[0], ast.Expr) and \
+                isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            docs[body[0].lineno, body[0].col_offset] = len(body) == 1  # alone: it becomes `pass`
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        (r0, c0), (r1, c1) = tok.start, tok.end
+        depth_at.setdefault(r0, depth + (r0 > 1 and lines[r0 - 2].endswith("\\")))  # > 0: a continuation line
+        depth += (tok.string in "([{") - (tok.string in ")]}") if tok.type == tokenize.OP else 0
+        if tok.type == tokenize.COMMENT:
+            drop.update(() if lines[r0 - 1][:c0].strip() else (r0,))
+            cut[r0] = c0
+        elif tok.type == tokenize.STRING and (r0, c0) in docs:
+            drop.update(range(r0 + (docs[r0, c0]), r1 + 1))
+            lines[r0 - 1] = " " * c0 + "pass"
+        elif tok.type == tokenize.STRING and r1 > r0:
+            fixed.update(range(r0 + 1, r1 + 1))  # inside a multi-line string: as it is
+    kept = [(r, line if r in fixed else line[:cut.get(r, len(line))].rstrip()) for r, line in enumerate(lines, 1)]
+    kept = [(r, code) for r, code in kept if r in fixed or (r not in drop and code)]
+    indents = [len(code) - len(code.lstrip(" ")) for r, code in kept if r not in fixed and not depth_at.get(r)]
+    unit = min((n for n in indents if n), default=1)  # 4 here; 1 in what this returns: the same again
+    s = "\n".join(code if r in fixed else " " * (0 if depth_at.get(r) else (len(code) - len(code.lstrip(" "))) // unit)
+                  + code.lstrip(" ") for r, code in kept) + "\n"
+    packed = base64.b85encode(lzma.compress(s.encode("utf-8"), preset=9 | lzma.PRESET_EXTREME)).decode()
     return (f'import base64,linecache,lzma\ns=lzma.decompress(base64.b85decode("{packed}")).decode()\n'
             'f=__file__+"#source"\nlinecache.cache[f]=(len(s),None,s.splitlines(True),f)\nREADABLE_SOURCE=s\n'
             'exec(compile(s,f,"exec"))\n').encode("utf-8")

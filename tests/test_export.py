@@ -606,23 +606,33 @@ def test_gptq_damps_more_only_when_h_is_singular(monkeypatch):
 # The code a record ships
 # =============================================================================================
 
-def test_the_shipped_stub_runs_alone_and_counts_its_own_size(dataset, tokenizer_path, tmp_path):
-    """A record ships train_gpt.py as shipped_code's stub (xz + base85 of the source, run from linecache so that
-    @triton.jit can read its kernels' source). Alone in an empty folder on the tiny config it trains and scores;
-    its log embeds the readable source and counts code_bytes as the stub's own size, as the readable script
-    counts it too."""
+def test_the_shipped_stub_runs_alone_and_scores_as_the_readable_file(dataset, tokenizer_path, tmp_path):
+    """A record ships train_gpt.py as shipped_code's stub: the source without its prose and with one-space indents,
+    xz + base85, run from linecache so that @triton.jit can read its kernels' source. At most 55,000 bytes for this
+    file. Alone in an empty folder on the tiny config it trains and scores exactly as the readable file does (every
+    loss and score, the artifact's bytes); its log embeds the source it ran and counts code_bytes as its own size,
+    as the readable file counts it too."""
     source = SCRIPT.read_text(encoding="utf-8")
     stub = tmp_path / "train_gpt.py"
     stub.write_bytes(tg.shipped_code(source))
-    assert stub.read_bytes() == tg.shipped_code(source)  # deterministic
-    assert stub.stat().st_size < 0.4 * len(source.encode("utf-8"))
-    run = tmp_path / "empty"
-    r = run_script(tiny_env(dataset, tokenizer_path, ITERATIONS="2", RUN_ID="stub"), run, script=stub)
-    assert r.returncode == 0, r.stderr[-3000:]
-    log = (run / "logs" / "stub.txt").read_text(encoding="utf-8")
-    assert log.split("==== source: train_gpt.py ====\n", 1)[1].split("\n==== end source ====", 1)[0] == source
-    assert f"\ncode_bytes:{stub.stat().st_size}\n" in log
-    assert re.search(r"^final_int6_sliding_window_exact val_loss:\d+\.\d{8} ", log, re.M)
+    assert stub.read_bytes() == tg.shipped_code(source) and stub.stat().st_size <= 55_000  # deterministic
+    env = tiny_env(dataset, tokenizer_path, ITERATIONS="2", COMPRESSOR="rans")
+    logs, artifacts = {}, {}
+    for name, script in (("stub", stub), ("readable", SCRIPT)):
+        r = run_script(dict(env, RUN_ID=name), tmp_path / name, script=script)
+        assert r.returncode == 0, r.stderr[-3000:]
+        logs[name] = (tmp_path / name / "logs" / f"{name}.txt").read_text(encoding="utf-8")
+        artifacts[name] = (tmp_path / name / "logs" / f"{name}.int6.ptz").read_bytes()
+    shipped = logs["stub"].split("==== source: train_gpt.py ====\n", 1)[1].split("\n==== end source ====", 1)[0]
+    assert "#" not in "".join(line.split('"')[0] for line in shipped.splitlines()) and '"""' not in shipped
+    assert tg.shipped_code(shipped) == stub.read_bytes()  # the same again: a stub run counts its own size
+    for log in logs.values():
+        assert f"\ncode_bytes:{stub.stat().st_size}\n" in log
+    scores = {n: re.findall(r"^(\S+(?:_exact)? val_loss:\S+ val_bpb:\S+|step:\S+ train_loss:\S+)", log, re.M)
+              for n, log in logs.items()}
+    assert scores["stub"] == scores["readable"] and len(scores["stub"]) > 6
+    assert artifacts["stub"] == artifacts["readable"]
+    run = tmp_path / "stub"
     if tg.triton is not None:  # the kernels were defined from the unpacked source: Triton read it back
         probe = run_script({"PYTHONPATH": ""}, run, script=_probe(tmp_path, stub))
         assert probe.returncode == 0 and probe.stdout.strip() == "kernel source found", probe.stderr[-2000:]
