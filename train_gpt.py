@@ -3043,34 +3043,34 @@ def shipped_code(source: str) -> bytes:
     import io
     import lzma
     import tokenize
-    lines = source.split("\n")
-    char = lambda r, c: len(lines[r - 1].encode("utf-8")[:c].decode("utf-8"))  # ast's columns count UTF-8 bytes
-    for node in sorted((n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call) and len(n.args) > 1 and
-                        getattr(n.func, "id", "") == "setting"), key=lambda n: -n.lineno):
-        m = node.args[1]
-        lines[m.lineno - 1] = lines[m.lineno - 1][:char(m.lineno, m.col_offset)] + '""' + \
-            lines[m.end_lineno - 1][char(m.end_lineno, m.end_col_offset):]
-        del lines[m.lineno:m.end_lineno]
-    source = "\n".join(lines)
-    docs, drop, cut, fixed, depth_at, depth = {}, set(), {}, set(), {}, 0
+    lines, docs, meanings, drop, fixed, depth_at, depth = source.split("\n"), {}, [], set(), set(), {}, 0
     for node in ast.walk(ast.parse(source)):
         body = getattr(node, "body", None)
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and isinstance(body[0], ast.Expr) and \
                 isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
             docs[body[0].lineno, body[0].col_offset] = len(body) == 1  # alone: it becomes `pass`
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setting" and len(node.args) > 1:
+            meanings.append(node.args[1])
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         (r0, c0), (r1, c1) = tok.start, tok.end
-        depth_at.setdefault(r0, depth + (r0 > 1 and lines[r0 - 2].endswith("\\")))  # > 0: a continuation line
-        depth += (tok.string in "([{") - (tok.string in ")]}") if tok.type == tokenize.OP else 0
-        if tok.type == tokenize.COMMENT:
+        if r0 not in depth_at:  # > 0: a continuation line
+            depth_at[r0] = depth + (r0 > 1 and lines[r0 - 2].endswith("\\"))
+        if tok.type == tokenize.OP:
+            depth += (tok.string in "([{") - (tok.string in ")]}")
+        elif tok.type == tokenize.COMMENT:
             drop.update(() if lines[r0 - 1][:c0].strip() else (r0,))
-            cut[r0] = c0
+            lines[r0 - 1] = lines[r0 - 1][:c0]
         elif tok.type == tokenize.STRING and (r0, c0) in docs:
             drop.update(range(r0 + (docs[r0, c0]), r1 + 1))
             lines[r0 - 1] = " " * c0 + "pass"
         elif tok.type == tokenize.STRING and r1 > r0:
             fixed.update(range(r0 + 1, r1 + 1))  # inside a multi-line string: as it is
-    kept = [(r, line if r in fixed else line[:cut.get(r, len(line))].rstrip()) for r, line in enumerate(lines, 1)]
+    char = lambda r, c: len(lines[r - 1].encode("utf-8")[:c].decode("utf-8"))  # ast's columns count UTF-8 bytes
+    for m in meanings:  # after the comments' cuts, which come later on their lines
+        lines[m.lineno - 1] = lines[m.lineno - 1][:char(m.lineno, m.col_offset)] + '""' + \
+            lines[m.end_lineno - 1][char(m.end_lineno, m.end_col_offset):]
+        drop.update(range(m.lineno + 1, m.end_lineno + 1))
+    kept = [(r, line if r in fixed else line.rstrip()) for r, line in enumerate(lines, 1)]
     kept = [(r, code) for r, code in kept if r in fixed or (r not in drop and code)]
     indents = [len(code) - len(code.lstrip(" ")) for r, code in kept if r not in fixed and not depth_at.get(r)]
     unit = min((n for n in indents if n), default=1)  # 4 here; 1 in what this returns: the same again
