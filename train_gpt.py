@@ -321,6 +321,8 @@ class Hyperparameters:
                 f"is ignored: {' and '.join(k.upper() + '=0' for k in on.split('|'))} turn its features off"
         key, _, mode = on.partition("=")
         value, why = getattr(self, key), self.ignored(key)
+        if key == "ttt_mode" and value in TTT_MODES:  # a mode that runs another's scorer reads its settings
+            value = TTT_MODES[value].settings or value
         if why or mode:
             return why or ("" if value == type(value)(mode)
                            else f"is {key.upper()}={mode}'s; {key.upper()}={value} ignores it")
@@ -2389,6 +2391,7 @@ class TTTMode:
     update_backends: Callable[[Hyperparameters], tuple[str, ...]]
     per_doc_baseline: bool
     precompile: Callable | None = None
+    settings: str = ""  # whose settings (on="ttt_mode=..."): another mode's, whose scorer it runs; "" its own
 
 
 def sgd_precompile(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> None:

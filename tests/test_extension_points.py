@@ -153,13 +153,14 @@ class HeadBias(tg.Adapter):
 def test_a_toy_adapter_runs_end_to_end(monkeypatch, tmp_path, dataset, tokenizer_path):
     monkeypatch.setattr(HeadBias, "built", [])
     monkeypatch.setitem(tg.TTT_MODES, "bias", tg.TTTMode(functools.partial(tg.lora_ttt, adapter_cls=HeadBias),
-                                                         lambda cfg: (), True))
+                                                         lambda cfg: (), True, settings="lora"))
     scores = {}
     for steps in (1, 0):
         log = run_main(monkeypatch, tmp_path, dataset, tokenizer_path, f"bias{steps}", TTT_ENABLED=1,
                        TTT_MODE="bias", DOC_ISOLATION=0, TTT_GRAD_STEPS=steps, TTT_LORA_LR=0.05)
         scores[steps] = exact(log, "legal_ttt"), exact(log, "final_int6_sliding_window_per_doc")
         assert "\nttt_lora documents:" in log  # lora's scheduler ran the toy
+        assert "TTT_MODE=lora's" not in log  # the lora settings it reads are not reported as ignored
     trained, frozen = HeadBias.built
     assert trained.moved > 0 and frozen.moved == 0  # the toy's deltas reached the logits, and trained
     (ttt, per_doc), (ttt0, per_doc0) = scores[1], scores[0]
