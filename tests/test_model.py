@@ -585,20 +585,26 @@ def test_varlen_backend_equals_the_document_mask(monkeypatch, name):
     import torch.nn.attention.varlen as varlen_module
     monkeypatch.setattr(varlen_module, "varlen_attn", varlen_reference)
     monkeypatch.setattr(tg, "DOC_BOUNDARY_TOKENS", 4)
-    masked = perturbed_feature_model(name, DOC_ISOLATION=1)
-    varlen = perturbed_feature_model(name, DOC_ISOLATION=1)
-    varlen.attn_backend = "varlen"
+    assert_backend_equals_the_document_mask(name, "varlen")
+
+
+def assert_backend_equals_the_document_mask(name: str, backend: str) -> tuple[tg.GPT, torch.Tensor]:
+    """A DOC_ISOLATION model on `backend`: its logits and gradients equal the math backend's masked SDPA (float64) on
+    rows of several documents. Returns the model and the ids."""
+    masked, model = (perturbed_feature_model(name, DOC_ISOLATION=1) for _ in range(2))
+    model.attn_backend = backend
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(2, masked.cfg.vocab_size, (3, 24), generator=g)
     ids[0, [4, 9]] = ids[1, 0] = ids[2, [1, 2, 20]] = tg.BOS_ID
     outs = []
-    for model in (masked, varlen):
-        logits = model.logits(ids)
+    for m in (masked, model):
+        logits = m.logits(ids)
         logits.square().sum().backward()
-        outs.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        outs.append((logits.detach(), {n: p.grad for n, p in m.named_parameters()}))
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-9, atol=1e-9)
     for n, grad in outs[0][1].items():
         torch.testing.assert_close(outs[1][1][n], grad, rtol=1e-8, atol=1e-10, msg=n)
+    return model, ids
 
 
 @pytest.fixture
@@ -618,19 +624,7 @@ def test_fa3_varlen_equals_the_document_mask(monkeypatch, fa3_standin, name):
     """ATTN_BACKEND=fa3 under DOC_ISOLATION: FA3's varlen call with our padded cu_seqlens (the records' call), K/V not
     repeated, (out, lse) unpacked; logits and gradients equal the math backend's masked SDPA."""
     monkeypatch.setattr(tg, "DOC_BOUNDARY_TOKENS", 4)
-    masked, fa3 = (perturbed_feature_model(name, DOC_ISOLATION=1) for _ in range(2))
-    fa3.attn_backend = "fa3"
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(2, masked.cfg.vocab_size, (3, 24), generator=g)
-    ids[0, [4, 9]] = ids[1, 0] = ids[2, [1, 2, 20]] = tg.BOS_ID
-    outs = []
-    for model in (masked, fa3):
-        logits = model.logits(ids)
-        logits.square().sum().backward()
-        outs.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-9, atol=1e-9)
-    for n, grad in outs[0][1].items():
-        torch.testing.assert_close(outs[1][1][n], grad, rtol=1e-8, atol=1e-10, msg=n)
+    fa3, ids = assert_backend_equals_the_document_mask(name, "fa3")
     cfg, calls = fa3.cfg, fa3_standin.CALLS
     assert len(calls) == len(tg.layer_order(cfg, True))  # one a position; the scorer's one_doc rows take the dense call
     for c in calls:
