@@ -2212,6 +2212,13 @@ def grad_flags(model: nn.Module, on: bool):
             p.requires_grad_(flag)
 
 
+def sgd_precompile(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> None:
+    if rt.compile_enabled and cfg.ttt_epochs > 0:  # sgd_ttt's training graph: rows that cross documents
+        x = torch.zeros(-(-cfg.ttt_batch_seqs // rt.world_size), cfg.train_seq_len, dtype=torch.int64, device=rt.device)
+        with grad_flags(model, True), autocast(rt.device):
+            compiled(model.logits, rt)(x).float().sum().backward()
+
+
 def sgd_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> Score:
     """TTT_MODE=sgd, score-first (the later records' legal TTT): each TTT_CHUNK_TOKENS chunk of the targets is scored
     by the windows whose first target it holds, then trained on (SGD, momentum, cosine lr, global-norm clip), the
@@ -2228,10 +2235,8 @@ def sgd_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> Sc
 
     def warmup() -> None:
         scorer.warm(fn_score)
-        if cfg.ttt_epochs > 0:  # the training graph (forward + backward) too
-            with autocast(rt.device):
-                fn_train(torch.zeros(rows, T, dtype=torch.int64, device=rt.device)).float().sum().backward()
-            opt.zero_grad(set_to_none=True)
+        sgd_precompile(cfg, rt, model, scorer)  # the training graph (forward + backward) too
+        opt.zero_grad(set_to_none=True)
 
     def chunk(k: int) -> Tensor:
         sums = scorer.score_windows(fn_score, wins[win_chunk == k])
@@ -2392,13 +2397,6 @@ class TTTMode:
     per_doc_baseline: bool
     precompile: Callable | None = None
     settings: str = ""  # whose settings (on="ttt_mode=..."): another mode's, whose scorer it runs; "" its own
-
-
-def sgd_precompile(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> None:
-    if rt.compile_enabled and cfg.ttt_epochs > 0:  # sgd_ttt's training graph: rows that cross documents
-        x = torch.zeros(-(-cfg.ttt_batch_seqs // rt.world_size), cfg.train_seq_len, dtype=torch.int64, device=rt.device)
-        with grad_flags(model, True), autocast(rt.device):
-            compiled(model.logits, rt)(x).float().sum().backward()
 
 
 def lora_precompile(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
