@@ -54,7 +54,10 @@ except ImportError:
 DROPPED_SETTINGS = {"SWA_ENABLED", "SWA_EVERY", "DTG_ENABLED", "LATE_QAT", "QAT_ENABLED", "GATED_ATTENTION",
                     "VALUE_RESIDUAL",  # + LAWA_*, MTP_*: the reference's dead ends
                     "FP8_ENABLED",  # ours until 2026-11: no faster at the record micro-batch, 0.002-0.003 bpb worse
-                    "ATTN_OUT_GATE_ENABLED"}  # ours until 2026-11-26: the dense form of the sparse gate
+                    "ATTN_OUT_GATE_ENABLED",  # ours until 2026-11-26: the dense form of the sparse gate
+                    # the reference's full-parameter TTT, ours as TTT_MODE=sgd until 2026-11-28 (lora gains 8x more)
+                    "TTT_LR", "TTT_EPOCHS", "TTT_CHUNK_TOKENS", "TTT_FREEZE_BLOCKS", "TTT_MOMENTUM", "TTT_BATCH_SEQS",
+                    "TTT_GRAD_CLIP"}
 DROPPED_PREFIXES = ("LAWA_", "MTP_")
 # Environment variables of launchers and libraries that share a word with our fields.
 FOREIGN_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP_", "MASTER_", "LOCAL_", "GROUP_", "ROLE_",
@@ -73,7 +76,7 @@ FP16_MIN_NORMAL = 2.0 ** -14  # the smallest scale an fp16 row scale holds witho
 def setting(default, meaning: str, allowed: str | tuple | Callable = "", model: bool = False, on: str = ""):
     """A setting: default, meaning (README's table), allowed values (a range, an inclusive (lo, hi), choices, or a
     function giving them), whether it defines the model (stored in artifacts), and `on`: its feature's setting
-    ("ttt_mode=sgd": a mode's), with which off it is reported as ignored."""
+    ("ttt_mode=lora": a mode's), with which off it is reported as ignored."""
     return field(default=default, metadata=dict(meaning=meaning, allowed=allowed, model=model, on=on))
 
 
@@ -234,19 +237,10 @@ class Hyperparameters:
                                "= off)", FRACTION)
     # --- legal test-time training (score first, then train; after the final scoring)
     ttt_enabled: bool = setting(True, "run legal TTT on the read-back artifact and log legal_ttt")
-    # lora gained 0.0089 / 0.0081 on the defaults' pqb artifacts (seeds 1337 / 42), sgd 0.0011 on the first
-    ttt_mode: str = setting("lora", "lora: per-document LoRA adapters; sgd: full-parameter SGD over the stream's "
-                            "chunks", lambda: tuple(TTT_MODES), on="ttt_enabled")
-    ttt_lr: float = setting(0.006, "lr, cosine-decayed over chunks (0.006 beat the reference's 0.002 on the PQB)",
-                            NON_NEGATIVE, on="ttt_mode=sgd")
-    ttt_epochs: int = setting(3, "passes over each chunk after it is scored (0 = score only)", NON_NEGATIVE,
-                              on="ttt_mode=sgd")
-    ttt_chunk_tokens: int = setting(32768, "targets per chunk", POSITIVE, on="ttt_mode=sgd")
-    ttt_freeze_blocks: int = setting(0, "first N blocks stay frozen", NON_NEGATIVE, on="ttt_mode=sgd")
-    ttt_momentum: float = setting(0.9, "SGD momentum", FRACTION, on="ttt_mode=sgd")
-    ttt_batch_seqs: int = setting(32, "sequences (TRAIN_SEQ_LEN) per TTT step, over all ranks", POSITIVE,
-                                  on="ttt_mode=sgd")
-    ttt_grad_clip: float = setting(1.0, "global grad-norm clip", POSITIVE, on="ttt_mode=sgd")
+    # full-parameter SGD over the stream's chunks (the older records' TTT_MODE=sgd) gained 0.0011 / 0.0007 on the pqb
+    # artifacts where lora gained 0.0089 / 0.0081 (seeds 1337 / 42): removed (records/PERFORMANCE.md "Now": TTT mode)
+    ttt_mode: str = setting("lora", "lora: per-document LoRA adapters (TTT_MODES)", lambda: tuple(TTT_MODES),
+                            on="ttt_enabled")
     ttt_lora_rank: int = setting(80, "adapter rank (q, k, v, o and MLP of every layer, and the head)", POSITIVE,
                                  on="ttt_mode=lora")
     ttt_lora_alpha: float = setting(144.0, "adapter output x ALPHA / RANK", POSITIVE, on="ttt_mode=lora")
@@ -384,7 +378,6 @@ class Hyperparameters:
              "DOC_ISOLATION=1 needs SMEAR_BOS_FIX=1 (the SmearGate would carry the previous document into a BOS)")
         require(self.late_qat_threshold == 0 or self.min_lr < self.late_qat_threshold,
              "MIN_LR must be below LATE_QAT_THRESHOLD: late QAT starts when the lr scale falls under it")
-        require(self.ttt_freeze_blocks <= self.num_layers, "TTT_FREEZE_BLOCKS outside 0..NUM_LAYERS")
         require(re.fullmatch(r"\s*(\d+:[1-9]\d*\s*(,\s*\d+:[1-9]\d*\s*)*)?",
                              self.ttt_short_score_first_steps) is not None,
              f"TTT_SHORT_SCORE_FIRST_STEPS={self.ttt_short_score_first_steps!r}: LEN:CHUNK pairs, e.g. 256:8,2000:24")
@@ -2169,8 +2162,8 @@ class Scorer:
 
 # ===== Legal test-time training: score a chunk, then train on it =====
 
-def sgd_step(rt: Runtime, scorer: Scorer, model: GPT, fn: Callable, opt: torch.optim.Optimizer, params: list[Tensor],
-             frozen: list[int], starts_N: Tensor, counts_N: Tensor, rows: int, T: int, clip: float) -> None:
+def sgd_step(rt: Runtime, scorer: Scorer, fn: Callable, opt: torch.optim.Optimizer, params: list[Tensor],
+             starts_N: Tensor, counts_N: Tensor, rows: int, T: int, clip: float) -> None:
     """One step on the mean NLL of the val targets [start, start + count) of the N rows of all ranks: this rank
     takes every world-th row, padded to `rows` rows without targets (one shape: one compile)."""
     w = torch.stack((starts_N, starts_N, starts_N + counts_N), 1)[rt.rank::rt.world_size]  # windows, all scored
@@ -2178,26 +2171,13 @@ def sgd_step(rt: Runtime, scorer: Scorer, model: GPT, fn: Callable, opt: torch.o
     _, nll, (_, _, mask, _) = scorer.rows_nll(fn, F.pad(w, (0, 0, 0, rows - w.size(0))), T)
     # x world_size: the ranks' gradients are averaged, and each holds 1/world of the batch
     ((nll * mask).sum() * rt.world_size / counts_N.sum()).backward()
-    ttt_sync_grads(model, params, frozen, model.cfg.num_layers)
+    if _distributed():
+        with torch.no_grad():
+            grads = FlatTensors([p.grad for p in params])
+            grads.mean()
+            grads.write_back()
     torch.nn.utils.clip_grad_norm_(params, clip)
     opt.step()
-
-
-@torch.no_grad()
-def ttt_sync_grads(model: GPT, params: list[Tensor], frozen: list[int], num_layers: int) -> None:
-    """Gradients averaged over ranks; TTT_FREEZE_BLOCKS' zeroed."""
-    if _distributed():
-        grads = FlatTensors([p.grad for p in params])
-        grads.mean()
-        grads.write_back()
-    grads = {bank: getattr(model, bank).grad for bank in BANKS}
-    for name in MATRICES:
-        for i in frozen:
-            layer_matrix(grads, name, i, num_layers).zero_()
-    n = len(frozen) - model.cfg.parallel_start  # frozen parallel layers: their lane scalars (rows i - P) stay too
-    if n > 0:
-        model.parallel_resid.grad[:n].zero_()
-        model.parallel_post.grad[:n].zero_()
 
 
 @contextlib.contextmanager
@@ -2210,46 +2190,6 @@ def grad_flags(model: nn.Module, on: bool):
     finally:
         for p, flag in zip(model.parameters(), flags):
             p.requires_grad_(flag)
-
-
-def sgd_precompile(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> None:
-    if rt.compile_enabled and cfg.ttt_epochs > 0:  # sgd_ttt's training graph: rows that cross documents
-        x = torch.zeros(-(-cfg.ttt_batch_seqs // rt.world_size), cfg.train_seq_len, dtype=torch.int64, device=rt.device)
-        with grad_flags(model, True), autocast(rt.device):
-            compiled(model.logits, rt)(x).float().sum().backward()
-
-
-def sgd_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer) -> Score:
-    """TTT_MODE=sgd, score-first (the later records' legal TTT): each TTT_CHUNK_TOKENS chunk of the targets is scored
-    by the windows whose first target it holds, then trained on (SGD, momentum, cosine lr, global-norm clip), the
-    last never. TTT_FREEZE_BLOCKS freezes the first blocks (bank slices, control tensors, lane scalars)."""
-    T, C, n_targets = cfg.train_seq_len, cfg.ttt_chunk_tokens, scorer.tokens.numel() - 1
-    n_chunks, wins = -(-n_targets // C), scorer.windows(cfg.eval_stride)
-    win_chunk = wins[:, 1] // C
-    frozen = list(range(cfg.ttt_freeze_blocks))
-    params = [p for n, p in model.named_parameters()
-              if not (n.startswith("blocks.") and int(n.split(".")[1]) in frozen)]
-    opt = torch.optim.SGD(params, lr=cfg.ttt_lr, momentum=cfg.ttt_momentum)
-    fn_score, fn_train = scorer.logits_fn(model), compiled(model.logits, rt)  # training rows cross documents
-    rows = -(-cfg.ttt_batch_seqs // rt.world_size)  # fixed per-rank batch shape (padded): one compile
-
-    def warmup() -> None:
-        scorer.warm(fn_score)
-        sgd_precompile(cfg, rt, model, scorer)  # the training graph (forward + backward) too
-        opt.zero_grad(set_to_none=True)
-
-    def chunk(k: int) -> Tensor:
-        sums = scorer.score_windows(fn_score, wins[win_chunk == k])
-        if k < n_chunks - 1 and cfg.ttt_epochs > 0:
-            opt.param_groups[0]["lr"] = cfg.ttt_lr * 0.5 * (1 + math.cos(math.pi * k / max(n_chunks - 1, 1)))
-            c1 = min((k + 1) * C, n_targets)
-            starts = torch.arange(k * C, c1, T, device=rt.device)
-            for _ in range(cfg.ttt_epochs):
-                for batch in starts.split(cfg.ttt_batch_seqs):
-                    sgd_step(rt, scorer, model, fn_train, opt, params, frozen, batch, (c1 - batch).clamp(max=T), rows,
-                             T, cfg.ttt_grad_clip)
-        return sums
-    return scorer.loop(warmup, list(range(n_chunks)), chunk, "ttt_chunk")
 
 
 def global_sgd_rows(cfg: Hyperparameters, rt: Runtime) -> tuple[int, int]:
@@ -2272,8 +2212,7 @@ def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn
         for _ in range(cfg.global_ttt_epochs):
             for c, step in enumerate(steps):
                 opt.param_groups[0]["lr"] = cfg.global_ttt_lr * 0.5 * (1 + math.cos(math.pi * c / len(steps)))
-                sgd_step(rt, scorer, model, fn, opt, params, [], step[:, 0], step[:, 1], mine, T,
-                         cfg.global_ttt_grad_clip)
+                sgd_step(rt, scorer, fn, opt, params, step[:, 0], step[:, 1], mine, T, cfg.global_ttt_grad_clip)
         opt.zero_grad(set_to_none=True)
 
 
@@ -2390,10 +2329,9 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, prob
 
 @dataclass(frozen=True)
 class TTTMode:
-    """A legal TTT mode (TTT_MODE): its scorer, the backends its updates need under DOC_ISOLATION (none: any),
-    whether its gain is measured against per-document windows (then scored too), its graphs' precompile."""
+    """A legal TTT mode (TTT_MODE): its scorer, whether its gain is measured against per-document windows (then
+    scored too), its graphs' precompile. Its rows hold one document each: any attention backend scores them."""
     score: Callable[..., Score]
-    update_backends: Callable[[Hyperparameters], tuple[str, ...]]
     per_doc_baseline: bool
     precompile: Callable | None = None
     settings: str = ""  # whose settings (on="ttt_mode=..."): another mode's, whose scorer it runs; "" its own
@@ -2405,16 +2343,7 @@ def lora_precompile(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Score
     lora_warmup(cfg, rt, model, scorer.logits_fn(model), adapter, cfg.phased_ttt_prefix_docs > 0)
 
 
-TTT_MODES = {"sgd": TTTMode(sgd_ttt, lambda cfg: ("math",) if cfg.ttt_epochs > 0 else (), False, sgd_precompile),
-             "lora": TTTMode(lora_ttt, lambda cfg: (), True, lora_precompile)}
-
-
-def check_ttt_backend(cfg: Hyperparameters, rt: Runtime) -> None:
-    """Updates of rows that cross documents need a mask (varlen's do not count sgd's)."""
-    need = TTT_MODES[cfg.ttt_mode].update_backends(cfg) if cfg.ttt_enabled and cfg.doc_isolation else ()
-    if need and rt.attn_backend not in need:
-        raise ValueError(f"DOC_ISOLATION=1: TTT_MODE={cfg.ttt_mode} updates on ATTN_BACKEND={' or '.join(need)} "
-                         f"(the backend here is {rt.attn_backend})")
+TTT_MODES = {"lora": TTTMode(lora_ttt, True, lora_precompile)}
 
 
 # ===== Export: int6 banks, int8 tables, fp16 rest on the grid of the Model section; no pickle; compressed =====
@@ -3694,7 +3623,6 @@ def main() -> int:
         cfg = fit_to_limit(cfg, explicit, len(shipped_code(code)))
     warnings += cfg.unread(explicit)
     rt = init_runtime(cfg)
-    check_ttt_backend(cfg, rt)
     check_same_on_ranks({k: v for k, v in os.environ.items() if k.lower() in SETTINGS})
     claimed = claim_outputs(cfg, rt)
     if claimed.run_id != cfg.run_id:

@@ -47,10 +47,8 @@ def poison_the_scorer(monkeypatch) -> list[int]:
     return loops
 
 
-@pytest.mark.parametrize("ttt", [dict(TTT_MODE="lora", PHASED_TTT_PREFIX_DOCS=6, PHASED_TTT_NUM_PHASES=2,
-                                      GLOBAL_TTT_CHUNK_TOKENS=64, DOC_ISOLATION=0),
-                                 dict(TTT_MODE="sgd", TTT_EPOCHS=1, TTT_CHUNK_TOKENS=2048, TTT_BATCH_SEQS=4)],
-                         ids=["lora", "sgd"])
+@pytest.mark.parametrize("ttt", [dict(PHASED_TTT_PREFIX_DOCS=6, PHASED_TTT_NUM_PHASES=2, GLOBAL_TTT_CHUNK_TOKENS=64,
+                                      DOC_ISOLATION=0), dict(DOC_ISOLATION=1)], ids=["phased", "isolated"])
 def test_no_validation_token_enters_a_forward_before_its_scoring_and_the_clocks(monkeypatch, tmp_path, dataset, tokenizer_path,
                                                                    ttt):
     loops = poison_the_scorer(monkeypatch)
@@ -59,7 +57,7 @@ def test_no_validation_token_enters_a_forward_before_its_scoring_and_the_clocks(
     assert re.search(r"^eval_precompile time:\d+ms$", log, re.M)  # the precompile ran, on poisoned tokens
     # mid-training, post-training, post-EMA, roundtrip, sliding, (per document), TTT: all scored, each after warmup
     assert len(loops) >= 6 and "legal_ttt_exact" in log
-    if ttt["TTT_MODE"] == "lora":
+    if "PHASED_TTT_PREFIX_DOCS" in ttt:
         assert "phases:[3, 6]" in log  # the phases' global SGD ran (on scored documents only)
     # the summary's clocks: eval_time, the final score's pass (here TTT's) as its own line times it; eval_wall, all
     # from train_done on

@@ -118,7 +118,7 @@ def test_a_toy_ttt_mode_runs_end_to_end(monkeypatch, tmp_path, dataset, tokenize
     def score_only(cfg, rt, model, scorer):
         calls.append(cfg.ttt_mode)
         return scorer(model, cfg.eval_stride, per_doc=True)
-    monkeypatch.setitem(tg.TTT_MODES, "score_only", tg.TTTMode(score_only, lambda cfg: (), True))
+    monkeypatch.setitem(tg.TTT_MODES, "score_only", tg.TTTMode(score_only, True))
     log = run_main(monkeypatch, tmp_path, dataset, tokenizer_path, "mode", TTT_ENABLED=1, TTT_MODE="score_only",
                    DOC_ISOLATION=0)
     assert calls == ["score_only"]
@@ -153,7 +153,7 @@ class HeadBias(tg.Adapter):
 def test_a_toy_adapter_runs_end_to_end(monkeypatch, tmp_path, dataset, tokenizer_path):
     monkeypatch.setattr(HeadBias, "built", [])
     monkeypatch.setitem(tg.TTT_MODES, "bias", tg.TTTMode(functools.partial(tg.lora_ttt, adapter_cls=HeadBias),
-                                                         lambda cfg: (), True, settings="lora"))
+                                                         True, settings="lora"))
     scores = {}
     for steps in (1, 0):
         log = run_main(monkeypatch, tmp_path, dataset, tokenizer_path, f"bias{steps}", TTT_ENABLED=1,

@@ -235,8 +235,8 @@ def test_phase_settings_without_phases_are_reported_ignored():
     assert "PHASED_TTT_PREFIX_DOCS=0" in cfg.ignored("global_ttt_lr")
     cfg, _ = tg.Hyperparameters.from_env({"GLOBAL_TTT_LR": "0.002", "PHASED_TTT_PREFIX_DOCS": "45"})
     assert cfg.ignored("global_ttt_lr") == ""
-    cfg, _ = tg.Hyperparameters.from_env({"TTT_MODE": "sgd", "PHASED_TTT_PREFIX_DOCS": "45"})
-    assert "TTT_MODE=lora" in cfg.ignored("phased_ttt_prefix_docs")
+    cfg, _ = tg.Hyperparameters.from_env({"TTT_ENABLED": "0", "PHASED_TTT_PREFIX_DOCS": "45"})
+    assert "TTT_ENABLED=False" in cfg.ignored("phased_ttt_prefix_docs")
 
 
 def test_an_evaluation_context_longer_than_training_scores_with_the_same_rope():

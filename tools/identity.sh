@@ -2,7 +2,7 @@
 # Behaviour identity of two versions of train_gpt.py on the CPU (a refactor's check):
 #     bash tools/identity.sh BEFORE.py AFTER.py [OUT_DIR]
 # Three tiny runs per script on the offline sample (data/make_sample.py, built once under OUT_DIR): lora TTT with depth
-# recurrence, lanes, GPTQ and SD clip; the same with late QAT and phased global SGD; sgd TTT with DOC_ISOLATION and
+# recurrence, lanes, GPTQ and SD clip; the same with late QAT and phased global SGD; lora TTT with DOC_ISOLATION and
 # coprime sampling; all COMPRESSOR=rans. Compares every train_loss, val and *_exact line (timings stripped), the artifact's md5 and the md5
 # of its tensors; prints IDENTICAL or the differences (exit 1).
 set -euo pipefail
@@ -19,16 +19,15 @@ export EVAL_STRIDE=32 VAL_BATCH_SIZE=8192 BIGRAM_VOCAB_SIZE=256 BIGRAM_DIM=32 LA
 export TTT_ENABLED=1 OMP_NUM_THREADS=1
 lora=(TTT_MODE=lora NUM_LOOPS=1 LOOP_START=1 LOOP_END=2 ENABLE_LOOPING_AT=0.3 PARALLEL_START_LAYER=3
       GPTQ_CALIBRATION_BATCHES=2 MATRIX_CLIP_SIGMAS=12.85 TTT_CHUNK_SIZE=32 TTT_BATCH_SIZE=8)
-sgd=(TTT_MODE=sgd TTT_EPOCHS=1 TTT_CHUNK_TOKENS=2048 TTT_BATCH_SEQS=4 DOC_ISOLATION=1 ATTN_BACKEND=math
-     TRAIN_SAMPLING=coprime)
+iso=(TTT_MODE=lora TTT_CHUNK_SIZE=32 TTT_BATCH_SIZE=8 DOC_ISOLATION=1 ATTN_BACKEND=math TRAIN_SAMPLING=coprime)
 phased=("${lora[@]}" LATE_QAT_THRESHOLD=0.5 PHASED_TTT_PREFIX_DOCS=12 PHASED_TTT_NUM_PHASES=2 GLOBAL_TTT_CHUNK_TOKENS=512)
 runs() {  # script, folder
   rm -rf "$2" && mkdir -p "$2/logs" && cd "$2"
   env RUN_ID=lora "${lora[@]}" python3 "$1" > lora.out 2>&1 & a=$!
   env RUN_ID=phased "${phased[@]}" python3 "$1" > phased.out 2>&1 & b=$!
-  env RUN_ID=sgd "${sgd[@]}" python3 "$1" > sgd.out 2>&1
+  env RUN_ID=iso "${iso[@]}" python3 "$1" > iso.out 2>&1
   wait $a $b
-  for r in lora phased sgd; do
+  for r in lora phased iso; do
     grep -E "train_loss|_exact|val_bpb:|Serialized" $r.out | grep -v summary \
       | sed -E 's/ (train_time|step_avg|eta|eval_time|compile_time|eval_compile_time|export_time):[0-9.]+m?s//g'
     md5sum < logs/$r.int6.ptz | cut -c1-32
