@@ -1,11 +1,11 @@
 """Parameter Golf: banked GPT + Parallel Muon, int6 artifact, exact sliding-window val_bpb.
 
 Record run:   torchrun --standalone --nproc_per_node=8 train_gpt.py
-One process:  python3 train_gpt.py        (CPU works too: tiny configs, gloo, SDPA math, no compile)
+One process:  python3 train_gpt.py        (the CPU too: tiny configs, SDPA math, no compile)
 Every setting is an environment variable named after a Hyperparameters field (README lists them all).
 Seed system: PR #399 (parameter banking + Parallel Muon) on the PR #315/#414 model stack. Budget: 3,750 lines,
-at most 20% of the characters prose; a feature earns its lines with a measured gain. PQB, pqb-t: the proxy quality
-benchmark, by steps and at equal time (records/PERFORMANCE.md "Now").
+at most 20% of the characters prose; a feature earns its lines with a measured gain. PQB, pqb-t: the proxy benchmark,
+by steps and at equal time (records/PERFORMANCE.md "Now").
 
 Sections, each using only those above it: Config, Runtime, Optimizer, Data, Model, Kernels (and build_model),
 Scoring, Legal TTT, Export, Training, main (the pipeline); but TTT_MODE's choices are TTT_MODES' names. Extension
@@ -55,7 +55,7 @@ DROPPED_SETTINGS = {"SWA_ENABLED", "SWA_EVERY", "DTG_ENABLED", "LATE_QAT", "QAT_
                     "VALUE_RESIDUAL",  # + LAWA_*, MTP_*: the reference's dead ends
                     "FP8_ENABLED",  # ours until 2026-11: no faster at the record micro-batch, 0.002-0.003 bpb worse
                     "ATTN_OUT_GATE_ENABLED",  # ours until 2026-11-26: the dense form of the sparse gate
-                    # the reference's full-parameter TTT, ours as TTT_MODE=sgd until 2026-11-28 (lora gains 8x more)
+                    # the reference's full-parameter TTT (our TTT_MODE=sgd until 2026-11-28): lora gains 8x more
                     "TTT_LR", "TTT_EPOCHS", "TTT_CHUNK_TOKENS", "TTT_FREEZE_BLOCKS", "TTT_MOMENTUM", "TTT_BATCH_SEQS",
                     "TTT_GRAD_CLIP"}
 DROPPED_PREFIXES = ("LAWA_", "MTP_")
@@ -237,8 +237,6 @@ class Hyperparameters:
                                "= off)", FRACTION)
     # --- legal test-time training (score first, then train; after the final scoring)
     ttt_enabled: bool = setting(True, "run legal TTT on the read-back artifact and log legal_ttt")
-    # full-parameter SGD over the stream's chunks (the older records' TTT_MODE=sgd) gained 0.0011 / 0.0007 on the pqb
-    # artifacts where lora gained 0.0089 / 0.0081 (seeds 1337 / 42): removed (records/PERFORMANCE.md "Now": TTT mode)
     ttt_mode: str = setting("lora", "lora: per-document LoRA adapters (TTT_MODES)", lambda: tuple(TTT_MODES),
                             on="ttt_enabled")
     ttt_lora_rank: int = setting(80, "adapter rank (q, k, v, o and MLP of every layer, and the head)", POSITIVE,
@@ -965,10 +963,10 @@ class Optimizers:
 SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 1024
 GET_DATA = ("get FineWeb with `python3 data/cached_challenge_fineweb.py --variant sp8192_caseops` (network), or run "
             "`bash data/quickstart.sh` for the offline sample")
-SAMPLE_MARK = 0x504D4153  # header word 3 of the shards data/make_sample.py writes (b"SAMP"; FineWeb's hold 0)
+SAMPLE_MARK = 0x504D4153  # header word 3 of data/make_sample.py's shards (b"SAMP"; FineWeb's hold 0)
 BOS_ID = 1  # every document of a shard starts with it: the challenge tokenizers' <s>
 CASEOPS_TITLE = "\ue001"  # the first of CaseOps' case operators (U+E001..E004), a piece of its tokenizers only
-DOC_BOUNDARY_TOKENS = 256  # varlen: room for a document per 256 tokens (FineWeb: about 85 in a 98K-token micro-batch)
+DOC_BOUNDARY_TOKENS = 256  # varlen: room for a document per 256 tokens (FineWeb: 85 in 98K tokens)
 
 
 def tokenizer_sha256(path: str) -> str:
@@ -2356,7 +2354,7 @@ SIZE_LIMIT_BYTES = 16_000_000  # artifact + code, decimal bytes (the challenge's
 ARTIFACT_MAGIC, PAYLOAD_MAGIC = b"PGA1", b"PGT2"  # PGT1: before the settings were stored
 COMPRESSOR_CODES = {"zstd": 0, "rans": 3}  # 1 (xz) and 2 (an order-0 rANS): older artifacts, no longer read
 LZMA_PRESET = 6 | lzma.PRESET_EXTREME  # rANS's side data; on whole PQB payloads 34-38 KB smaller than 9|extreme
-ZSTD_FAST_LEVEL = 3  # COMPRESSOR=fast: 0.2 s for a PQB payload (27.1 MB) where xz took 36 s; 12.24 MB vs 10.85
+ZSTD_FAST_LEVEL = 3  # COMPRESSOR=fast: 0.2 s vs xz's 36 s on a PQB payload; 12.24 MB vs 10.85
 
 
 def unbank(state: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
@@ -2502,8 +2500,8 @@ def head_name(cfg: Hyperparameters) -> str:
 @dataclass(frozen=True)
 class Format:
     """How the artifact stores a weight of unbank(state), as tensors name.<part>: a new format is a new row of
-    FORMATS (the export, its reading, the size guard and prediction, late QAT's grid, artifact_report read it)."""
-    kind: str  # its first part (the codes or values), which names the format in an artifact
+    FORMATS (read by the export, its reading, the size guard, late QAT, tools/artifact_report.py)."""
+    kind: str  # its first part (codes or values), naming the format in an artifact
     label: str  # what tools/artifact_report.py calls it
     holds: Callable[[Hyperparameters, str, Tensor], bool] | None  # its weights (the first row that holds); None:
     # a correction added to a coded weight (chosen by quantize_state)
@@ -3015,8 +3013,7 @@ def shipped_code(source: str) -> bytes:
 # ===== Training: EMA, schedule, the step (CUDA graphs), the timed loop =====
 
 CHECKPOINT_MAGIC = b"pgolf-checkpoint-2\n"  # then the sha256 of the payload (32 bytes), then torch.save's bytes
-# a step starts only if the clock plus CAP_MARGIN x the slowest of the last 10 steps fits the cap: one 1.5x slower
-# still ends in time, for about half a step (0.05% of a 600 s record run)
+# a step starts if the clock plus CAP_MARGIN x the slowest of the last 10 fits the cap (costs 0.05% of 600 s)
 CAP_MARGIN = 1.5
 PROGRESS_EVERY_S = 10.0  # a progress line (no loss: no host sync) when no step line came for this long
 
@@ -3293,7 +3290,7 @@ class Trainer:
             self.log(f"warning wallclock_overrun train_time:{train_ms:.0f}ms cap:{cap_ms:.0f}ms "
                      f"over_by:{train_ms - cap_ms:.0f}ms")
         self.check_finite(first_bad)
-        stopped = int(all_reduce_max(float(self.signal), self.rt.device))  # one in the last step counts too
+        stopped = int(all_reduce_max(float(self.signal), self.rt.device))  # one in the last step counts
         # always: no trained model is lost to a failure after training (RESUME=it exports and scores again);
         # run() removes it at the end unless CHECKPOINT_EVERY keeps them
         try:
