@@ -242,7 +242,8 @@ class Hyperparameters:
     ttt_lora_rank: int = setting(80, "adapter rank (q, k, v, o and MLP of every layer, and the head)", POSITIVE,
                                  on="ttt_mode=lora")
     ttt_lora_alpha: float = setting(144.0, "adapter output x ALPHA / RANK", POSITIVE, on="ttt_mode=lora")
-    ttt_lora_lr: float = setting(3e-4, "AdamW lr (betas 0, 0.99; eps 1e-10); 3e-4 gained 0.0085 on pqb, 1e-4 0.0053",
+    ttt_lora_lr: float = setting(1.5e-4, "AdamW lr (betas 0, 0.99; eps 1e-10); with the phases and short chunks "
+                                 "1.5e-4 -0.0019, 2e-4 -0.0016 against 3e-4 without them (paired, proxy)",
                                  POSITIVE, on="ttt_mode=lora")
     ttt_weight_decay: float = setting(0.5, "AdamW weight decay of the adapters", NON_NEGATIVE, on="ttt_mode=lora")
     ttt_grad_steps: int = setting(1, "AdamW steps on a chunk after it is scored (0 = score only); 2 at lr 1e-4: "
@@ -251,8 +252,8 @@ class Hyperparameters:
                                   "window each", POSITIVE, on="ttt_mode=lora")
     ttt_batch_size: int = setting(64, "documents per lockstep batch (rows of a step) on each rank", POSITIVE,
                                   on="ttt_mode=lora")
-    ttt_short_score_first_steps: str = setting("", "smaller chunks for short documents: LEN:CHUNK,... (a document of "
-                                               "at most LEN targets: CHUNK; the records' 256:8,2000:24); empty = off",
+    ttt_short_score_first_steps: str = setting("256:8,2000:24", "smaller chunks for short documents: LEN:CHUNK,... "
+                                               "(a document of at most LEN targets: CHUNK; the records'); empty = off",
                                                on="ttt_mode=lora")
     ttt_warm_start_a: bool = setting(False, "keep the adapters' A from batch to batch (B and AdamW restart; A goes "
                                      "back to its initial draw after each phase): a document no longer scores as if "
@@ -262,10 +263,9 @@ class Hyperparameters:
     ttt_v_lora: bool = setting(True, "adapters on v", on="ttt_mode=lora")
     ttt_o_lora: bool = setting(True, "adapters on the attention output", on="ttt_mode=lora")
     ttt_mlp_lora: bool = setting(True, "adapters on the MLP output", on="ttt_mode=lora")
-    phased_ttt_prefix_docs: int = setting(0, "phased global SGD: the first N documents lora scores (longest first) "
-                                          "train the base weights in phases, after they are scored (0 = off; the "
-                                          "records' 2,500: -0.0022 on the proxy; a rank's share 422-455 s on H200s, "
-                                          "454-486 on an H100: past 450)", NON_NEGATIVE, on="ttt_mode=lora")
+    phased_ttt_prefix_docs: int = setting(2500, "phased global SGD: the first N documents lora scores (longest "
+                                          "first) train the base weights in phases, after they are scored (0 = off; "
+                                          "the records' 2,500 of the 50,000)", NON_NEGATIVE, on="ttt_mode=lora")
     phased_ttt_num_phases: int = setting(3, "phases of the prefix; after phase k, SGD on its first k/N (cumulative)",
                                          POSITIVE, on="phased_ttt_prefix_docs")
     global_ttt_lr: float = setting(0.001, "the phases' SGD lr, cosine over the chunks", NON_NEGATIVE,

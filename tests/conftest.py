@@ -40,7 +40,8 @@ TINY_VOCAB = 512
 # mlp_down (2,32,96); tok_emb 512x32 and bigram 64x16 tables, VE on layer 1, XSA on the last layer.
 TINY_FIELDS = dict(num_layers=2, model_dim=32, num_heads=2, num_kv_heads=1, rope_dims=8, vocab_size=TINY_VOCAB,
                    bigram_vocab_size=64, bigram_dim=16, ve_dim=16, ve_layers="1", xsa_last_n=1, train_seq_len=32,
-                   eval_seq_len=32, eval_stride=8)
+                   eval_seq_len=32, eval_stride=8, phased_ttt_prefix_docs=0, ttt_short_score_first_steps="",
+                   ttt_lora_lr=3e-4)
 
 
 @pytest.fixture(scope="module")

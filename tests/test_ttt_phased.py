@@ -231,7 +231,7 @@ def test_malformed_short_steps_are_refused(value):
 
 
 def test_phase_settings_without_phases_are_reported_ignored():
-    cfg, _ = tg.Hyperparameters.from_env({"GLOBAL_TTT_LR": "0.002"})
+    cfg, _ = tg.Hyperparameters.from_env({"GLOBAL_TTT_LR": "0.002", "PHASED_TTT_PREFIX_DOCS": "0"})
     assert "PHASED_TTT_PREFIX_DOCS=0" in cfg.ignored("global_ttt_lr")
     cfg, _ = tg.Hyperparameters.from_env({"GLOBAL_TTT_LR": "0.002", "PHASED_TTT_PREFIX_DOCS": "45"})
     assert cfg.ignored("global_ttt_lr") == ""
