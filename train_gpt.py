@@ -129,6 +129,9 @@ class Hyperparameters:
     rope_dims: int = setting(16, "partial RoPE: rotate the first ROPE_DIMS of each head (even, <= head dim)",
                              model=True)
     logit_softcap: float = setting(30.0, "tanh softcap on logits (0 = off)", NON_NEGATIVE, True)
+    asym_logit_rescale: bool = setting(False, "AsymLogit: two softcaps, s+ on logits >= 0 and s- below, learned from "
+                                       "LOGIT_SOFTCAP in training and the phases (the records' never got a "
+                                       "gradient); its loss runs on the torch path", model=True)
     qk_gain_init: float = setting(5.0, "per-head query gain after q/k RMSNorm")
     ln_scale: bool = setting(True, "scale block inputs by 1/sqrt(layer+1)", model=True)
     xsa_last_n: int = setting(11, "exclusive self-attention on the last N layers", NON_NEGATIVE, True)
@@ -374,6 +377,7 @@ class Hyperparameters:
              "SMEAR_GATE_ENABLED=1 (the 04-27 record's) are two kinds of one gate: set one to 0")
         require(not (self.doc_isolation and (self.smear_enabled or self.smear_gate_enabled) and not self.smear_bos_fix),
              "DOC_ISOLATION=1 needs SMEAR_BOS_FIX=1 (the SmearGate would carry the previous document into a BOS)")
+        require(not self.asym_logit_rescale or self.logit_softcap > 0, "ASYM_LOGIT_RESCALE=1 needs LOGIT_SOFTCAP > 0")
         require(self.late_qat_threshold == 0 or self.min_lr < self.late_qat_threshold,
              "MIN_LR must be below LATE_QAT_THRESHOLD: late QAT starts when the lr scale falls under it")
         require(re.fullmatch(r"\s*(\d+:[1-9]\d*\s*(,\s*\d+:[1-9]\d*\s*)*)?",
@@ -1322,7 +1326,11 @@ def exclusive_self_attention_reference(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor
     return (y - (y * vn).sum(-1, keepdim=True) * vn).reshape(B, T, H, D)
 
 
-def softcap(logits: Tensor, cap: float) -> Tensor:
+def softcap(logits: Tensor, cap: float | Tensor) -> Tensor:
+    """c tanh(z / c); cap a Tensor (s+, s-): AsymLogit, s+ where z >= 0, s- below."""
+    if isinstance(cap, Tensor):
+        cap = torch.where(logits >= 0, cap[0], cap[1]).to(logits.dtype)
+        return cap * torch.tanh(logits / cap)
     return cap * torch.tanh(logits / cap) if cap > 0 else logits
 
 
@@ -1331,7 +1339,7 @@ def cross_entropy(logits_NV: Tensor, targets_N: Tensor, reduction: str = "mean")
     return F.cross_entropy(logits_NV.float(), targets_N, reduction=reduction)
 
 
-def softcap_loss_reference(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Tensor:
+def softcap_loss_reference(logits_NV: Tensor, targets_N: Tensor, cap: float | Tensor) -> Tensor:
     """Mean training loss of raw logits: what the Triton kernel fuses (it keeps the capped logits in fp32)."""
     return cross_entropy(softcap(logits_NV, cap), targets_N)
 
@@ -1505,6 +1513,8 @@ class GPT(nn.Module):
             self.ve_layer_scales = nn.Parameter(torch.ones(len(cfg.ve_layer_list)))
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(D, V, bias=False)
+        if cfg.asym_logit_rescale:
+            self.softcap_pm = nn.Parameter(torch.full((2,), cfg.logit_softcap))
         self.reset_parameters()
 
     @torch.no_grad()
@@ -1649,11 +1659,15 @@ class GPT(nn.Module):
 
     def logits(self, ids_BT: Tensor, adapter: Adapter | None = None, one_doc: bool = False,
                mode: Mode = SCORING) -> Tensor:
-        return softcap(self.raw_logits(ids_BT, adapter, one_doc, mode), self.cfg.logit_softcap)
+        return softcap(self.raw_logits(ids_BT, adapter, one_doc, mode), self.cap)
+
+    @property
+    def cap(self) -> float | Tensor:
+        return self.softcap_pm if self.cfg.asym_logit_rescale else self.cfg.logit_softcap
 
     def forward(self, ids_BT: Tensor, targets_BT: Tensor, mode: Mode = SCORING) -> Tensor:  # the mean training loss
-        return self.ops.loss(self.raw_logits(ids_BT, mode=mode).flatten(0, 1), targets_BT.flatten(),
-                             self.cfg.logit_softcap)
+        loss = softcap_loss_reference if self.cfg.asym_logit_rescale else self.ops.loss  # the kernel's cap: a float
+        return loss(self.raw_logits(ids_BT, mode=mode).flatten(0, 1), targets_BT.flatten(), self.cap)
 
 
 def observe(hessians: dict | None, names: tuple[str, ...], i: int, x_BTC: Tensor) -> Tensor:

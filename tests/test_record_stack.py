@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import perturbed_model, run_script, tiny_cfg, tiny_env
 import train_gpt as tg
@@ -158,3 +159,46 @@ def test_the_defaults_run_at_a_tiny_shape(dataset, tokenizer_path, tmp_path):
     assert len([k for k in tensors if k.endswith(".lqA")]) == 3
     assert tensors["tok_emb.weight.q8"].abs().max() <= 63 and header["settings"]["doc_isolation"] is True
     assert "smear_gate_w.f16" in tensors and "smear_lambda.f16" in tensors  # the record's SmearGate, exported
+
+
+# =============================================================================================
+# AsymLogit (ASYM_LOGIT_RESCALE): two softcaps that learn
+# =============================================================================================
+
+def test_asym_logit_is_the_symmetric_cap_at_init_and_its_two_caps_get_the_analytic_gradient():
+    """At s+ = s- = LOGIT_SOFTCAP the loss is the symmetric cap's; dL/ds+- equals the hand-derived sum, in float64,
+    of dL/dz_hat (softmax - onehot, / N) x d(s tanh(z / s))/ds = tanh(z / s) - (z / s) sech^2(z / s) over the logits
+    on each side of 0 (the records' scalars got none: FRONTIER_AFTER_0427 section 1)."""
+    cfg = tiny_cfg(asym_logit_rescale=True, logit_softcap=2.0)  # a small cap: both sides' caps matter
+    model = perturbed_model(cfg, 0, bank_std=0.3, table_std=1.0)
+    with torch.no_grad():
+        model.softcap_pm.fill_(2.0)  # perturbed_model moved it too: back to its init
+    sym = tg.GPT(dataclasses.replace(cfg, asym_logit_rescale=False))
+    sym.load_state_dict({k: v for k, v in model.state_dict().items() if k != "softcap_pm"})
+    ids, targets = torch.randint(0, cfg.vocab_size, (2, 2, 32), generator=torch.Generator().manual_seed(1))
+    loss = model(ids, targets)
+    assert torch.equal(loss, sym(ids, targets))
+    loss.backward()
+    z = model.raw_logits(ids).detach().double().flatten(0, 1)
+    s = 2.0
+    zh = s * torch.tanh(z / s)
+    g = (torch.softmax(zh, -1) - F.one_hot(targets.flatten(), cfg.vocab_size).double()) / z.size(0)
+    dzh_ds = torch.tanh(z / s) - (z / s) / torch.cosh(z / s) ** 2
+    want = torch.stack([(g * dzh_ds)[z >= 0].sum(), (g * dzh_ds)[z < 0].sum()])
+    assert model.softcap_pm.grad.abs().min() > 1e-4
+    torch.testing.assert_close(model.softcap_pm.grad.double(), want, rtol=1e-4, atol=1e-7)
+    with torch.no_grad():  # apart, each side of 0 takes its own: the scorers' logits
+        model.softcap_pm.copy_(torch.tensor([2.5, 1.5]))
+        hand = torch.where(z >= 0, 2.5 * torch.tanh(z / 2.5), 1.5 * torch.tanh(z / 1.5))
+        torch.testing.assert_close(model.logits(ids).double().flatten(0, 1), hand, rtol=1e-5, atol=1e-6)
+
+
+def test_asym_logit_caps_train_and_are_stored(monkeypatch, tmp_path, dataset, tokenizer_path):
+    """A tiny run: the two caps leave LOGIT_SOFTCAP in training, apart, and the artifact stores them (fp16)."""
+    from conftest import run_main
+    run_main(monkeypatch, tmp_path, dataset, tokenizer_path, "asym", ASYM_LOGIT_RESCALE=1, LOGIT_SOFTCAP=5,
+             SCALAR_LR=0.05, ITERATIONS=8)
+    stored, tensors = tg.read_artifact(tmp_path / "logs" / "asym.int6.ptz")
+    caps = [v for k, v in tensors.items() if k.startswith("softcap_pm")]
+    assert len(caps) == 1 and caps[0].dtype == torch.float16 and caps[0].shape == (2,), tensors.keys()
+    assert (caps[0] != 5.0).all() and caps[0][0] != caps[0][1], caps
