@@ -656,6 +656,22 @@ def now_ms(device: torch.device) -> float:
     return time.perf_counter() * 1000.0
 
 
+@contextlib.contextmanager
+def memory_advice(rt: Runtime, change: str):
+    """A CUDA out-of-memory error inside gets a note: the memory here and the setting to change (issue 58: one card of
+    32 GB stopped in the warmup with a line that named none)."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        if rt.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(rt.device)
+            cap = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(rt.device) * total
+            gib = [x / 2 ** 30 for x in (free, torch.cuda.memory_reserved(rt.device), cap)]
+            change = "{:.1f} GiB free, {:.1f} reserved by this process, its cap {:.1f}; ".format(*gib) + change
+        e.add_note(change)
+        raise
+
+
 def claim_outputs(cfg: Hyperparameters, rt: Runtime) -> Hyperparameters:
     """One run, one log, no output overwritten: rank 0 creates logs/<RUN_ID>.txt exclusively for the first free of
     RUN_ID, RUN_ID_2, ... and tells the other ranks. An empty ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz; the
@@ -3668,10 +3684,16 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     np.random.seed(cfg.seed)
     log_header(log, cfg, rt, warnings, code, code_bytes)
     scorer, sample = validation_scorer(cfg, rt, log, tokenizer)
-    precompile_eval(cfg, rt, log, scorer)
+    eval_memory = (f"lower TTT_BATCH_SIZE={cfg.ttt_batch_size} (documents a TTT step) or VAL_BATCH_SIZE="
+                   f"{cfg.val_batch_size} (tokens a scoring step)")
+    with memory_advice(rt, eval_memory):
+        precompile_eval(cfg, rt, log, scorer)
     train_ms, unfitted, eval_start = 0.0, None, time.perf_counter()  # EVAL_ONLY: eval_wall from here
     if not cfg.eval_only:
-        model, hessians, train_ms, stopped_by, eval_start = train(cfg, rt, log, scorer, ckpt, tokenizer)
+        accum = rt.grad_accum_steps
+        with memory_advice(rt, f"GRAD_ACCUM_STEPS={2 * accum} halves the micro-batch (the same global batch and "
+                           "math); CUDA_GRAPHS=0 frees the graphs' pools (one activation block per mode)"):
+            model, hessians, train_ms, stopped_by, eval_start = train(cfg, rt, log, scorer, ckpt, tokenizer)
         if stopped_by:
             if rt.is_main:  # nothing exported: the claim goes back
                 Path(cfg.artifact_path).unlink(missing_ok=True)
@@ -3685,7 +3707,8 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     log(f"code_bytes:{code_bytes}")
     log(f"Total submission size int6+{header['coder']}: {total} bytes limit:{SIZE_LIMIT_BYTES} "
         f"headroom:{SIZE_LIMIT_BYTES - total}")
-    key, score = score_artifact(cfg, rt, log, scorer, tensors, unfitted)
+    with memory_advice(rt, eval_memory):
+        key, score = score_artifact(cfg, rt, log, scorer, tensors, unfitted)
     trained, over = Path("logs") / f"{cfg.run_id}.ckpt", total > SIZE_LIMIT_BYTES
     if rt.is_main and not cfg.checkpoint_every and not over and trained.is_file():  # the artifact is written, scored
         trained.unlink()

@@ -385,3 +385,24 @@ def test_resume_on_other_data_is_refused_naming_both(dataset, tokenizer_path, tm
         with pytest.raises(ValueError, match="the checkpoint's data position is in TRAIN_SAMPLING=sequential over "
                                              f"2 shards of \\d+ tokens, sha256 of 16 tokens each \\w+; {want}"):
             other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("where, setting", [("Trainer.warmup", "GRAD_ACCUM_STEPS=2 halves the micro-batch"),
+                                            ("Scorer.warm", "lower TTT_BATCH_SIZE=64"),
+                                            ("lora_ttt", "lower TTT_BATCH_SIZE=64")])
+def test_out_of_memory_names_the_setting_to_change(where, setting, monkeypatch, tmp_path, dataset, tokenizer_path):
+    """CUDA running out of memory in the training warmup, the evaluation's precompile or TTT (issue 58: a 32-GB card
+    stopped with a line naming no setting): the error carries a note naming the setting for that stage."""
+    from conftest import run_main
+    import train_gpt as tg
+
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    owner, name = where.split(".") if "." in where else (None, where)
+    monkeypatch.setattr(getattr(tg, owner) if owner else tg, name, oom)
+    if name == "lora_ttt":
+        monkeypatch.setitem(tg.TTT_MODES, "lora", tg.TTTMode(oom, True))
+    with pytest.raises(torch.cuda.OutOfMemoryError) as e:
+        run_main(monkeypatch, tmp_path, dataset, tokenizer_path, "oom", TTT_ENABLED=1, GRAD_ACCUM_STEPS=1,
+                 COMPILE_ENABLED=1 if name == "warm" else 0)
+    assert any(n.startswith(setting) for n in getattr(e.value, "__notes__", [])), e.value.__notes__
