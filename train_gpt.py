@@ -109,6 +109,11 @@ class Hyperparameters:
                                            NON_NEGATIVE)
     train_batch_tokens: int = setting(786432, "global tokens per optimizer step", POSITIVE)
     train_seq_len: int = setting(2048, "training sequence length (tokens)", POSITIVE)
+    train_seq_schedule: str = setting("", "progressive context (#2014's 1024@0.1,2048@0.7,3072@1.0): attention "
+                                      "spans of at most LEN (documents cut from their start) until run progress FRAC, "
+                                      "in rows of TRAIN_SEQ_LEN = the last LEN; DOC_ISOLATION=1; empty = off")
+    seq_change_warmup_steps: int = setting(32, "lr ramp over N steps after a span change", NON_NEGATIVE,
+                                           on="train_seq_schedule")
     grad_accum_steps: int = setting(0, "0 = max(1, 8 // WORLD_SIZE): same global batch for 1..8 GPUs", NON_NEGATIVE)
     compile_enabled: str = setting("auto", "torch.compile: auto = on for CUDA, off for CPU", ("auto", "0", "1"))
     cuda_graphs: str = setting("auto", "each micro-batch's forward+backward as one CUDA graph: auto = on for CUDA",
@@ -383,6 +388,12 @@ class Hyperparameters:
         require(re.fullmatch(r"\s*(\d+:[1-9]\d*\s*(,\s*\d+:[1-9]\d*\s*)*)?",
                              self.ttt_short_score_first_steps) is not None,
              f"TTT_SHORT_SCORE_FIRST_STEPS={self.ttt_short_score_first_steps!r}: LEN:CHUNK pairs, e.g. 256:8,2000:24")
+        ok = re.fullmatch(r"\s*(\d+@\d*\.?\d+\s*(,\s*\d+@\d*\.?\d+\s*)*)?", self.train_seq_schedule)
+        spans = self.seq_spans if ok else [(0.0, 0)]
+        require(all(0 < n <= self.train_seq_len for _, n in spans) and [f for f, _ in spans] == sorted({f for f, _ in
+                spans}) and (not spans or spans[-1] == (1.0, self.train_seq_len) and self.doc_isolation),
+                f"TRAIN_SEQ_SCHEDULE={self.train_seq_schedule!r}: LEN@FRAC, fractions rising to 1.0 where LEN is "
+                "TRAIN_SEQ_LEN, every LEN at most that, with DOC_ISOLATION=1")
         require(self.sliding_eval_enabled or self.ttt_enabled,
              "SLIDING_EVAL_ENABLED=0 needs TTT_ENABLED=1 (without TTT the sliding score is the final score)")
         require(self.max_wallclock_seconds == 0 or self.gptq_calibration_batches == 0
@@ -413,6 +424,11 @@ class Hyperparameters:
         """LOOP_START..LOOP_END within the depth (the default 3..5 is 1..1 of a 2-layer model)."""
         end = min(self.loop_end, self.num_layers - 1)
         return min(self.loop_start, end), end
+
+    @property
+    def seq_spans(self) -> list[tuple[float, int]]:
+        """TRAIN_SEQ_SCHEDULE as (progress up to which, span) pairs."""
+        return [(float(f), int(n)) for n, f in (p.split("@") for p in self.train_seq_schedule.split(",") if p.strip())]
 
     def ttt_chunk_for(self, targets: int) -> int:
         steps = sorted(tuple(map(int, p.split(":"))) for p in self.ttt_short_score_first_steps.split(",") if p.strip())
@@ -1205,6 +1221,8 @@ class TrainLoader:
         self.ahead = None  # (sampler state before it, x, y, copy-done event) of the prefetched step
         varlen = cfg.doc_isolation and rt.attn_backend in SEGMENT_BACKENDS
         self.max_docs = self.seqs_per_micro * (1 + cfg.train_seq_len // DOC_BOUNDARY_TOKENS) if varlen else 0
+        # a row's documents are cut at most (T - 1) // span more times by the shortest span of TRAIN_SEQ_SCHEDULE
+        self.cuts = (cfg.train_seq_len - 1) // min(n for _, n in cfg.seq_spans) if cfg.seq_spans else 0
         if rt.device.type == "cuda":
             shape = (rt.grad_accum_steps * self.seqs_per_micro, self.seq_len)
             self.host = [[torch.empty(shape, dtype=torch.int64, pin_memory=True) for _ in "xy"] for _ in "ab"]
@@ -1220,7 +1238,7 @@ class TrainLoader:
             raise
         mine = np.concatenate([seqs[(m * W + self.rt.rank) * s:][:s] for m in range(self.rt.grad_accum_steps)])
         if self.max_docs:  # varlen's fixed-size cu_seqlens: more documents would merge
-            docs = (mine[:, 1:-1] == BOS_ID).reshape(self.rt.grad_accum_steps, -1).sum(1) + s  # row starts and BOS
+            docs = (mine[:, 1:-1] == BOS_ID).reshape(self.rt.grad_accum_steps, -1).sum(1) + s * (1 + self.cuts)
             if docs.max() > self.max_docs:
                 raise ValueError(f"a micro-batch holds {docs.max()} documents, more than varlen's cu_seqlens holds "
                                  f"({self.max_docs}: one per {DOC_BOUNDARY_TOKENS} tokens); use ATTN_BACKEND=math")
@@ -1295,18 +1313,29 @@ def qk_norm_rope_reference(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_
     return y if gain_H is None else y * gain_H.to(y.dtype)[:, None]
 
 
-def document_mask(ids_BT: Tensor) -> Tensor:
-    """(B, 1, T, T) attention mask: causal, within a document (a BOS to the next; a row's start is one more)."""
-    docs, T = torch.cumsum(ids_BT == BOS_ID, dim=1), ids_BT.size(1)
+def segment_starts(ids_BT: Tensor, span: Tensor | None = None) -> Tensor:
+    """Where attention segments start: a row's start, each BOS and, with a span, every `span` tokens into a document
+    (TRAIN_SEQ_SCHEDULE: a tensor, so a new span is new data for the same graph)."""
+    pos = torch.arange(ids_BT.size(1), device=ids_BT.device)
+    starts = (ids_BT == BOS_ID) | (pos == 0)
+    if span is None:
+        return starts
+    first = torch.cummax(torch.where(starts, pos, 0), dim=1).values  # the document's first position
+    return starts | ((pos - first) % span == 0)
+
+
+def document_mask(ids_BT: Tensor, span: Tensor | None = None) -> Tensor:
+    """(B, 1, T, T) attention mask: causal, within a segment (segment_starts)."""
+    docs, T = torch.cumsum(segment_starts(ids_BT, span), dim=1), ids_BT.size(1)
     causal = torch.ones(T, T, dtype=torch.bool, device=ids_BT.device).tril()
     return ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
 
 
-def document_segments(ids_BT: Tensor) -> Tensor:
-    """varlen's cu_seqlens (int32) of the flattened rows: row starts and BOS, padded with B*T to a fixed
-    B + B*T/DOC_BOUNDARY_TOKENS + 1 entries, one compiled shape (TrainLoader refuses more documents)."""
+def document_segments(ids_BT: Tensor, span: Tensor | None = None) -> Tensor:
+    """varlen's cu_seqlens (int32) of the flattened rows' segments (segment_starts), padded with B*T to a fixed
+    B + B*T/DOC_BOUNDARY_TOKENS + 1 entries, one compiled shape (TrainLoader refuses more segments)."""
     (B, T), dev = ids_BT.shape, ids_BT.device
-    starts = (ids_BT == BOS_ID) | (torch.arange(T, device=dev) == 0)
+    starts = segment_starts(ids_BT, span)
     nth = torch.arange(1, B + B * T // DOC_BOUNDARY_TOKENS + 1, device=dev)
     return F.pad(torch.searchsorted(starts.flatten().cumsum(0), nth), (0, 1), value=B * T).to(torch.int32)
 
@@ -1503,6 +1532,8 @@ class GPT(nn.Module):
         rope = rope_tables(max(cfg.train_seq_len, cfg.eval_seq_len), cfg.rope_dims, cfg.rope_base)
         self.register_buffer("rope_cos", rope[0], persistent=False)  # not in state_dict or the artifact
         self.register_buffer("rope_sin", rope[1], persistent=False)
+        # TRAIN_SEQ_SCHEDULE's span, set by the trainer before each step
+        self.register_buffer("span", torch.tensor(cfg.train_seq_len) if cfg.seq_spans else None, persistent=False)
         # U-Net: the first half of the positions pushes skips, the second pops them (weights for the longest order)
         n = len(layer_order(cfg, True))
         self.skip_weights = nn.Parameter(torch.ones(min(n // 2, n - n // 2), D))
@@ -1610,7 +1641,7 @@ class GPT(nn.Module):
             ve_BTK = self.ve.proj(self.ve.embed(ids_BT))
             ve_BTK = ve_BTK * self.ve.scale.to(ve_BTK.dtype)
         docs = document_segments if self.attn_backend in SEGMENT_BACKENDS else document_mask
-        mask = docs(ids_BT) if cfg.doc_isolation and not one_doc else None  # built once for all layers
+        mask = docs(ids_BT, self.span) if cfg.doc_isolation and not one_doc else None  # once for all layers
         return Pass({k: b.to(dtype) for k, b in banks.items()}, ve_BTK, mask, adapter, hessians)
 
     def skip_in(self, j: int, skip: Tensor, x: Tensor, lanes: tuple | None) -> tuple[Tensor, tuple | None]:
@@ -2190,24 +2221,6 @@ class Scorer:
 
 # ===== Legal test-time training: score a chunk, then train on it =====
 
-def sgd_step(rt: Runtime, scorer: Scorer, fn: Callable, opt: torch.optim.Optimizer, params: list[Tensor],
-             starts_N: Tensor, counts_N: Tensor, rows: int, T: int, clip: float) -> None:
-    """One step on the mean NLL of the val targets [start, start + count) of the N rows of all ranks: this rank
-    takes every world-th row, padded to `rows` rows without targets (one shape: one compile)."""
-    w = torch.stack((starts_N, starts_N, starts_N + counts_N), 1)[rt.rank::rt.world_size]  # windows, all scored
-    opt.zero_grad(set_to_none=False)
-    _, nll, (_, _, mask, _) = scorer.rows_nll(fn, F.pad(w, (0, 0, 0, rows - w.size(0))), T)
-    # x world_size: the ranks' gradients are averaged, and each holds 1/world of the batch
-    ((nll * mask).sum() * rt.world_size / counts_N.sum()).backward()
-    if _distributed():
-        with torch.no_grad():
-            grads = FlatTensors([p.grad for p in params])
-            grads.mean()
-            grads.write_back()
-    torch.nn.utils.clip_grad_norm_(params, clip)
-    opt.step()
-
-
 @contextlib.contextmanager
 def grad_flags(model: nn.Module, on: bool):
     """The model's weights with requires_grad=on for the block; flags restored as found."""
@@ -2229,7 +2242,8 @@ def global_sgd_rows(cfg: Hyperparameters, rt: Runtime) -> tuple[int, int]:
 def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn: Callable,
                spans: list[tuple[int, int]]) -> None:
     """Phased TTT's SGD of all base weights on the val targets [s, e) of each span (scored documents), in rows of
-    EVAL_SEQ_LEN from each document's start (the records pack documents into full rows: more, emptier steps here)."""
+    EVAL_SEQ_LEN from each document's start (the records pack documents into full rows: more, emptier steps here).
+    A step's rows are every rank's: this rank takes every world-th, padded to `mine` rows (one compiled shape)."""
     T, (per, mine) = cfg.eval_seq_len, global_sgd_rows(cfg, rt)
     row_spans = torch.tensor([(a, min(e - a, T)) for s, e in spans for a in range(s, e, T)], dtype=torch.int64,
                              device=rt.device).view(-1, 2)
@@ -2240,7 +2254,18 @@ def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn
         for _ in range(cfg.global_ttt_epochs):
             for c, step in enumerate(steps):
                 opt.param_groups[0]["lr"] = cfg.global_ttt_lr * 0.5 * (1 + math.cos(math.pi * c / len(steps)))
-                sgd_step(rt, scorer, fn, opt, params, step[:, 0], step[:, 1], mine, T, cfg.global_ttt_grad_clip)
+                w = torch.stack((step[:, 0], step[:, 0], step.sum(1)), 1)[rt.rank::rt.world_size]  # all scored
+                opt.zero_grad(set_to_none=False)
+                _, nll, (_, _, mask, _) = scorer.rows_nll(fn, F.pad(w, (0, 0, 0, mine - w.size(0))), T)
+                # x world_size: the ranks' gradients are averaged, and each holds 1/world of the batch
+                ((nll * mask).sum() * rt.world_size / step[:, 1].sum()).backward()
+                if _distributed():
+                    with torch.no_grad():
+                        grads = FlatTensors([p.grad for p in params])
+                        grads.mean()
+                        grads.write_back()
+                torch.nn.utils.clip_grad_norm_(params, cfg.global_ttt_grad_clip)
+                opt.step()
         opt.zero_grad(set_to_none=True)
 
 
@@ -3293,7 +3318,7 @@ class Trainer:
                 clocks.train_ms = last_ckpt = elapsed
                 self.save_checkpoint(ema, self.where(step, progress, clocks, elapsed))
                 clocks.restart()
-            lr_scale = lr_scale_at(cfg, step, elapsed)
+            lr_scale = lr_scale_at(cfg, step, elapsed) * self.set_span(step, progress)
             self.switch_modes(step, lr_scale, progress)
             try:
                 loss = self.step(step, lr_scale)
@@ -3349,6 +3374,18 @@ class Trainer:
             self.mode = self.mode._replace(looping=True)
             self.log(f"layer_loop:enabled step:{step} progress:{progress:.3f} layers:{layer_order(cfg, True)}")
 
+    def set_span(self, step: int, progress: float) -> float:
+        """TRAIN_SEQ_SCHEDULE: the span at this progress into the model; returns the lr ramp after a change."""
+        spans, ramp = self.cfg.seq_spans, self.cfg.seq_change_warmup_steps
+        if not spans:
+            return 1.0
+        span = next((n for f, n in spans if progress <= f), spans[-1][1])
+        if span != self.clock.get("span", spans[0][1]):
+            self.clock.update(span=span, span_step=step)
+            self.log(f"seq_span:{span} step:{step} progress:{progress:.3f}")
+        self.model.span.fill_(span)
+        return min(1.0, (step - self.clock["span_step"] + 1) / ramp) if ramp and "span_step" in self.clock else 1.0
+
     def log_step(self, step: int, loss: Tensor, first_bad: Tensor, clocks: TrainClock, start: tuple) -> None:
         """A train_loss line (steps 1-10, every TRAIN_LOG_EVERY), else every PROGRESS_EVERY_S one without (no sync)."""
         cfg = self.cfg
@@ -3399,7 +3436,8 @@ class Trainer:
 
     def save_checkpoint(self, ema: EMA | None, clock: dict) -> None:
         t0 = now_ms(HOST)
-        state = self.state(ema, dict(clock, qat=bool(self.mode.qat), loop=self.mode.looping))
+        spans = {k: self.clock[k] for k in ("span", "span_step") if k in self.clock}
+        state = self.state(ema, dict(clock, qat=bool(self.mode.qat), loop=self.mode.looping, **spans))
         if self.rt.is_main:
             buf = io.BytesIO()
             torch.save(state, buf)

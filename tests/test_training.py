@@ -523,3 +523,70 @@ def test_loading_a_state_keeps_this_runs_settings_and_starts_a_missing_ema_from_
     assert all(torch.equal(other.opt.adam.state[p]["exp_avg"], tr.opt.adam.state[q]["exp_avg"])
                for p, q in zip(other.opt.replicated, tr.opt.replicated))
     assert all(torch.equal(s, p.float()) for s, p in zip(ema.shadow, other.model.parameters()))  # not seed 7's
+
+
+# =============================================================================================
+# Progressive context (TRAIN_SEQ_SCHEDULE, #2014)
+# =============================================================================================
+
+def loop_segments(ids: torch.Tensor, span: int) -> list[list[int]]:
+    """Each position's segment, by hand: a new one at a row's start, at a BOS and every `span` tokens into a
+    document."""
+    out = []
+    for row in ids.tolist():
+        seg, first, segs = -1, 0, []
+        for i, t in enumerate(row):
+            if i == 0 or t == tg.BOS_ID:
+                first = i
+            if (i - first) % span == 0:
+                seg += 1
+            segs.append(seg)
+        out.append(segs)
+    return out
+
+
+@pytest.mark.parametrize("span", [3, 5, 16, 64])
+def test_span_segments_equal_a_per_document_loop(span, monkeypatch):
+    """document_mask and document_segments (varlen's cu_seqlens) with a span cut each document every `span`
+    tokens from its start, as the loop does; without one, at BOS and row starts only."""
+    g = torch.Generator().manual_seed(span)
+    ids = torch.randint(2, 50, (3, 40), generator=g)
+    ids[torch.rand(3, 40, generator=g) < 0.08] = tg.BOS_ID
+    segs = torch.tensor(loop_segments(ids, span))
+    want = (segs[:, :, None] == segs[:, None, :]) & torch.ones(40, 40, dtype=torch.bool).tril()
+    assert torch.equal(tg.document_mask(ids, torch.tensor(span))[:, 0], want)
+    monkeypatch.setattr(tg, "DOC_BOUNDARY_TOKENS", 1)  # cu_seqlens room for a segment a token
+    cu = tg.document_segments(ids, torch.tensor(span))
+    starts = [b * 40 + i for b in range(3) for i in range(40) if i == 0 or segs[b, i] != segs[b, i - 1]]
+    assert cu.tolist()[:len(starts)] == starts and set(cu.tolist()[len(starts):]) == {3 * 40}
+    assert torch.equal(tg.document_mask(ids, torch.tensor(40)), tg.document_mask(ids))  # a span of T cuts nothing
+
+
+def test_the_schedule_sets_the_span_by_progress_with_an_lr_ramp_after_each_change(dataset, tokenizer_path,
+                                                                                    monkeypatch, tmp_path):
+    """ITERATIONS=10 with spans 8 to progress 0.3, 16 to 0.6, then 32 (= TRAIN_SEQ_LEN): step k runs at progress
+    k / 10, so the span changes at steps 4 and 7, each change ramping the lr over SEQ_CHANGE_WARMUP_STEPS=3 steps;
+    the model's forward sees the span (a shorter span, another loss)."""
+    from conftest import run_main
+    seen, real = [], tg.Trainer.step
+
+    def step(self, k, lr_scale):
+        seen.append((k, lr_scale, int(self.model.span)))
+        return real(self, k, lr_scale)
+    monkeypatch.setattr(tg.Trainer, "step", step)
+    log = run_main(monkeypatch, tmp_path, dataset, tokenizer_path, "span", ITERATIONS=10, WARMUP_STEPS=0,
+                   DOC_ISOLATION=1, TRAIN_SEQ_SCHEDULE="8@0.3,16@0.6,32@1.0", SEQ_CHANGE_WARMUP_STEPS=3,
+                   TTT_ENABLED=0, WARMDOWN_ITERS=0, WARMDOWN_FRAC=0.5)
+    cfg = tg.Hyperparameters.from_env(tiny_env(dataset, tokenizer_path, ITERATIONS="10", WARMDOWN_ITERS="0",
+                                               WARMDOWN_FRAC="0.5"))[0]
+    ramp = {4: 1 / 3, 5: 2 / 3, 7: 1 / 3, 8: 2 / 3}
+    assert [(k, s) for k, _, s in seen] == [(k, 8 if k < 4 else 16 if k < 7 else 32) for k in range(10)]
+    assert [lr for _, lr, _ in seen] == pytest.approx([tg.lr_scale_at(cfg, k, 0.0) * ramp.get(k, 1) for k in range(10)])
+    assert "seq_span:16 step:4 progress:0.400" in log and "seq_span:32 step:7 progress:0.700" in log
+    from conftest import perturbed_model
+    cfg = tg.Hyperparameters.from_env(tiny_env(dataset, tokenizer_path, DOC_ISOLATION="1",
+                                               TRAIN_SEQ_SCHEDULE="8@0.5,32@1.0"))[0]
+    model, ids = perturbed_model(cfg, 0, bank_std=0.3, table_std=1.0), torch.randint(2, 100, (2, 33))
+    full = model(ids[:, :-1], ids[:, 1:])
+    model.span.fill_(8)
+    assert not torch.equal(model(ids[:, :-1], ids[:, 1:]), full)

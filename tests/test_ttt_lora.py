@@ -316,7 +316,7 @@ def test_scoring_paths_never_build_the_document_mask(monkeypatch):
     attention backend serves them (GPT.hidden's one_doc). Only rows that cross documents (training) build it."""
     cfg = lora_cfg(ttt_grad_steps=1)
     tokens, model = make_stream(270), model_for(cfg)
-    monkeypatch.setattr(tg, "document_mask", lambda ids: (_ for _ in ()).throw(AssertionError("mask built")))
+    monkeypatch.setattr(tg, "document_mask", lambda *a: (_ for _ in ()).throw(AssertionError("mask built")))
     make_scorer(cfg, tokens, make_luts())(model, cfg.eval_stride)
     lora_run(cfg, tokens)
     with pytest.raises(AssertionError, match="mask built"):  # the control: a row across documents builds it
