@@ -590,3 +590,17 @@ def test_the_schedule_sets_the_span_by_progress_with_an_lr_ramp_after_each_chang
     full = model(ids[:, :-1], ids[:, 1:])
     model.span.fill_(8)
     assert not torch.equal(model(ids[:, :-1], ids[:, 1:]), full)
+
+
+def test_a_checkpoint_keeps_the_span_and_its_ramp(dataset, tokenizer_path, tmp_path, monkeypatch):
+    """A checkpoint taken after a span change resumes at that span, the ramp counted from the change's step."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs").mkdir()
+    schedule = dict(DOC_ISOLATION="1", TRAIN_SEQ_SCHEDULE="8@0.3,16@0.6,32@1.0", SEQ_CHANGE_WARMUP_STEPS="4")
+    a = make_trainer(dataset, tokenizer_path, **schedule)
+    assert a.set_span(4, 0.4) == 0.25 and int(a.model.span) == 16
+    a.save_checkpoint(None, a.where(5, 0.5, tg.TrainClock(CPU, 0.0, None), 1.0))
+    b = make_trainer(dataset, tokenizer_path, **schedule)
+    b.load(tg.read_checkpoint(str(a.ckpt_path)), None)
+    assert (b.clock["span"], b.clock["span_step"]) == (16, 4)
+    assert b.set_span(5, 0.5) == 0.5 and int(b.model.span) == 16
