@@ -3019,46 +3019,23 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def shipped_code(source: str) -> bytes:
     """The train_gpt.py a record ships (code_bytes): this source without its prose (comments, docstrings, the
-    settings' meanings: the README's) and with its indentation cut to a space a level, xz + base85 in a stub that runs
-    it, registered in linecache for @triton.jit. Self-contained: records/package_record.py takes it from a log."""
+    settings' meanings: the README's) as ast.unparse writes it, a space a level, xz + base85 in a stub that runs it,
+    registered in linecache for @triton.jit. Self-contained: records/package_record.py takes it from a log."""
     import ast
     import base64
-    import io
     import lzma
-    import tokenize
-    lines, docs, meanings, drop, fixed, depth_at, depth = source.split("\n"), {}, [], set(), set(), {}, 0
-    for node in ast.walk(ast.parse(source)):
+    import re
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and isinstance(body[0], ast.Expr) and \
                 isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
-            docs[body[0].lineno, body[0].col_offset] = len(body) == 1  # alone: it becomes `pass`
+            node.body = body[1:] or [ast.Pass()]
         elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setting" and len(node.args) > 1:
-            meanings.append(node.args[1])
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        (r0, c0), (r1, c1) = tok.start, tok.end
-        if r0 not in depth_at:  # > 0: a continuation line
-            depth_at[r0] = depth + (r0 > 1 and lines[r0 - 2].endswith("\\"))
-        if tok.type == tokenize.OP:
-            depth += (tok.string in "([{") - (tok.string in ")]}")
-        elif tok.type == tokenize.COMMENT:
-            drop.update(() if lines[r0 - 1][:c0].strip() else (r0,))
-            lines[r0 - 1] = lines[r0 - 1][:c0]
-        elif tok.type == tokenize.STRING and (r0, c0) in docs:
-            drop.update(range(r0 + (docs[r0, c0]), r1 + 1))
-            lines[r0 - 1] = " " * c0 + "pass"
-        elif tok.type == tokenize.STRING and r1 > r0:
-            fixed.update(range(r0 + 1, r1 + 1))  # inside a multi-line string: as it is
-    char = lambda r, c: len(lines[r - 1].encode("utf-8")[:c].decode("utf-8"))  # ast's columns count UTF-8 bytes
-    for m in meanings:  # after the comments' cuts, which come later on their lines
-        lines[m.lineno - 1] = lines[m.lineno - 1][:char(m.lineno, m.col_offset)] + '""' + \
-            lines[m.end_lineno - 1][char(m.end_lineno, m.end_col_offset):]
-        drop.update(range(m.lineno + 1, m.end_lineno + 1))
-    kept = [(r, line if r in fixed else line.rstrip()) for r, line in enumerate(lines, 1)]
-    kept = [(r, code) for r, code in kept if r in fixed or (r not in drop and code)]
-    indents = [len(code) - len(code.lstrip(" ")) for r, code in kept if r not in fixed and not depth_at.get(r)]
-    unit = min((n for n in indents if n), default=1)  # 4 here; 1 in what this returns: the same again
-    s = "\n".join(code if r in fixed else " " * (0 if depth_at.get(r) else (len(code) - len(code.lstrip(" "))) // unit)
-                  + code.lstrip(" ") for r, code in kept) + "\n"
+            node.args[1] = ast.Constant("")
+    # ast.unparse drops the comments and writes strings on one line: every leading space is indentation. 0.19 s
+    # against 0.36 for a tokenize pass that kept the source's own layout, and 52,050 B against 52,377.
+    s = re.sub(r"(?m)^(?:    )+", lambda m: " " * (len(m.group(0)) // 4), ast.unparse(tree)) + "\n"
     packed = base64.b85encode(lzma.compress(s.encode("utf-8"), preset=9 | lzma.PRESET_EXTREME)).decode()
     return (f'import base64,linecache,lzma\ns=lzma.decompress(base64.b85decode("{packed}")).decode()\n'
             'f=__file__+"#source"\nlinecache.cache[f]=(len(s),None,s.splitlines(True),f)\nREADABLE_SOURCE=s\n'

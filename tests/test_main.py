@@ -114,22 +114,22 @@ def test_two_process_run_matches_one_process_and_logs_everything(seed_runs, data
         assert v2 == pytest.approx(v1, rel=1e-4), key
 
 
-def test_issue_21_features_train_alike_on_one_two_and_three_ranks(dataset, tokenizer_path, tmp_path):
+def test_issue_21_features_train_alike_on_one_and_three_ranks(dataset, tokenizer_path, tmp_path):
     """Every issue-21 feature on (layers 1-2 twice from step 3, two lanes from layer 3, gated skips, the sparse
-    attention gate, XSA everywhere, the BOS smear fix): 2 and 3 gloo ranks train and score as 1 does, up to
-    reduction order; the repeats start at the same step everywhere."""
+    attention gate, XSA everywhere, the BOS smear fix): 3 gloo ranks (slots that 2 would split evenly do not)
+    train and score as 1 does, up to reduction order; the repeats start at the same step everywhere."""
     env = dict(NUM_LAYERS=4, VE_LAYERS="3", NUM_LOOPS=1, LOOP_START=1, LOOP_END=2, ENABLE_LOOPING_AT=0.5,
                PARALLEL_START_LAYER=3, SKIP_GATES_ENABLED=1, SPARSE_ATTN_GATE_ENABLED=1, XSA_LAST_N=4,
                SMEAR_BOS_FIX=1, ITERATIONS=6, TRAIN_BATCH_TOKENS=1536)  # 48 sequences: 8 slots of 6, 6 of 8
     logs = {}
-    for n in (1, 2, 3):
+    for n in (1, 3):
         r = run_script(tiny_env(dataset, tokenizer_path, RUN_ID=f"lp{n}", **env), tmp_path, nproc=n)
         assert r.returncode == 0, r.stderr[-3000:]
         logs[n] = (tmp_path / "logs" / f"lp{n}.txt").read_text()
         assert "layer_loop:enabled step:3 progress:0.500 layers:[0, 1, 2, 1, 2, 3]" in logs[n]
         assert "layers order:[0, 1, 2, 1, 2, 3] parallel:[3]" in logs[n]
     one = parse_losses(logs[1])
-    for n in (2, 3):
+    for n in (3,):
         other = parse_losses(logs[n])
         assert sorted(other) == sorted(one) == list(range(1, 7))
         for s in one:
