@@ -284,6 +284,18 @@ class Hyperparameters:
                                            "document each (the last step's are not trained on, as in the records)",
                                            POSITIVE, on="phased_ttt_prefix_docs")
     global_ttt_grad_clip: float = setting(1.0, "the phases' grad-norm clip", POSITIVE, on="phased_ttt_prefix_docs")
+    ngram_tilt_enabled: bool = setting(False, "#2135's token-only n-gram tilt of lora's score (not its training): the "
+                                       "next token a context of TOKEN_ORDER - 1 in-document tokens had at least "
+                                       "TOKEN_THRESHOLD of its times gets TOKEN_BOOST nats, renormalised; the counts "
+                                       "absorb scored documents every NGRAM_UPDATE_DOCS of lora's order (the same on "
+                                       "any world size)", on="ttt_mode=lora")
+    token_order: int = setting(16, "context tokens + 1", (2, 64), on="ngram_tilt_enabled")
+    token_threshold: float = setting(0.8, "share of a context's count its top next token needs", (0.0, 1.0),
+                                     on="ngram_tilt_enabled")
+    token_boost: float = setting(2.625, "nats added to the hinted token's logit", NON_NEGATIVE,
+                                 on="ngram_tilt_enabled")
+    ngram_update_docs: int = setting(512, "documents between the counts' updates (edges of lora's order, as the "
+                                     "phases')", POSITIVE, on="ngram_tilt_enabled")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> tuple["Hyperparameters", list[str]]:
@@ -2269,14 +2281,67 @@ def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn
         opt.zero_grad(set_to_none=True)
 
 
+class NGramTable:
+    """#2135's token-only expert, causal in lora's order: each target with K = TOKEN_ORDER - 1 in-document
+    predecessors is a (context, next token) pair; absorb() counts the pairs of documents already scored, hint() gives a
+    context's most frequent next token when it holds TOKEN_THRESHOLD of the context's count. Contexts and pairs are
+    64-bit hashes (wrapping products): sorted tensors, not a C table."""
+
+    def __init__(self, cfg: Hyperparameters, tokens: Tensor):
+        self.k, self.cfg, self.tokens, self.absorbed = cfg.token_order - 1, cfg, tokens, 0
+        g = torch.Generator().manual_seed(0)
+        self.coef = (torch.randint(1, 2 ** 62, (self.k,), generator=g) * 2 + 1).to(tokens.device)
+        empty = torch.zeros(0, dtype=torch.int64, device=tokens.device)
+        self.pairs, self.ctx_of, self.tok_of, self.count = empty, empty, empty, empty
+        self.ctx, self.top, self.share = empty, empty, empty.double()
+
+    def context(self, t: Tensor) -> Tensor:  # the hash of tokens t - K .. t - 1
+        return (self.tokens[t[..., None] - torch.arange(self.k, 0, -1, device=t.device)] * self.coef).sum(-1)
+
+    def absorb(self, spans: list[tuple[int, int]], upto: int) -> None:
+        t = torch.cat([torch.arange(s + self.k, max(e, s + self.k), device=self.tokens.device) for s, e in spans]
+                      + [self.pairs[:0]])
+        ctx, tok = self.context(t), self.tokens[t]
+        pairs, inv = torch.unique(torch.cat((self.pairs, ctx * 1000003 + tok)), return_inverse=True)
+        count = torch.zeros_like(pairs).scatter_add_(0, inv, torch.cat((self.count, torch.ones_like(t))))
+        self.ctx_of = torch.zeros_like(pairs).scatter_(0, inv, torch.cat((self.ctx_of, ctx)))
+        self.tok_of = torch.zeros_like(pairs).scatter_(0, inv, torch.cat((self.tok_of, tok)))
+        self.pairs, self.count, self.absorbed = pairs, count, upto
+        self.ctx, cinv = torch.unique(self.ctx_of, return_inverse=True)
+        total = torch.zeros_like(self.ctx).scatter_add_(0, cinv, count)
+        most = torch.zeros_like(self.ctx).scatter_reduce_(0, cinv, count, "amax", include_self=False)
+        top = torch.where(count == most[cinv], self.tok_of, self.tokens.new_tensor(2 ** 62))
+        self.top = torch.full_like(self.ctx, 2 ** 62).scatter_reduce_(0, cinv, top, "amin")  # ties: the smallest id
+        self.share = most.double() / total
+
+    def hint(self, t: Tensor, ok: Tensor) -> Tensor:
+        """The hinted next token of targets t (-1: none), where ok (K in-document predecessors)."""
+        if self.ctx.numel() == 0:
+            return torch.full_like(t, -1)
+        q = self.context(t.clamp(self.k, self.tokens.numel() - 1))  # (padding rows' are out of range)
+        i = torch.searchsorted(self.ctx, q).clamp(max=self.ctx.numel() - 1)
+        return torch.where(ok & (self.ctx[i] == q) & (self.share[i] >= self.cfg.token_threshold), self.top[i], -1)
+
+    def tilt(self, logits: Tensor, nll: Tensor, y: Tensor, at: Tensor, doc_start: Tensor, mask: Tensor) -> Tensor:
+        """Each target's NLL under p'(a) = p(a) e^(beta [a = h]) / (1 + p(h) (e^beta - 1)), h its hint."""
+        h = self.hint(at + 1, mask & (at + 1 - self.k >= doc_start[:, None]))
+        on, beta = h >= 0, self.cfg.token_boost
+        lz = logits[on].float()
+        log_ph = lz.gather(-1, h[on][:, None])[:, 0] - lz.logsumexp(-1)
+        out = nll.clone()
+        out[on] = nll[on] - beta * (y[on] == h[on]) + torch.log1p(log_ph.exp() * math.expm1(beta))
+        return out
+
+
 class LoraPlan(NamedTuple):
     """lora TTT's schedule: chunks and span of each document, the documents longest first, the phases' ends, this
-    rank's steps (documents, how many of `order` global SGD then trains on, whether the adapter keeps A)."""
+    rank's steps (documents, how many of `order` global SGD then trains on, whether the adapter keeps A, where in
+    `order` its segment starts: the n-gram counts hold the documents before it)."""
     chunks: list[list[tuple[int, int, int]]]
     spans: list[tuple[int, int]]
     order: list[int]
     phases: list[int]
-    steps: list[tuple[list[int], int, bool]]
+    steps: list[tuple[list[int], int, bool, int]]
 
 
 def lora_plan(cfg: Hyperparameters, rt: Runtime, scorer: Scorer) -> LoraPlan:
@@ -2292,12 +2357,13 @@ def lora_plan(cfg: Hyperparameters, rt: Runtime, scorer: Scorer) -> LoraPlan:
     order = sorted(range(len(chunks)), key=lambda i: ends[i] - starts[i], reverse=True)
     prefix, n_phases = min(cfg.phased_ttt_prefix_docs, len(chunks)), cfg.phased_ttt_num_phases
     phases = sorted({prefix * k // n_phases for k in range(1, n_phases + 1)} - {0, len(chunks)})
-    edges, steps, fresh = sorted({0, len(chunks)} | set(phases)), [], True  # fresh: A drawn anew (not carried)
+    tilt = set(range(cfg.ngram_update_docs, len(chunks), cfg.ngram_update_docs)) if cfg.ngram_tilt_enabled else set()
+    edges, steps, fresh = sorted({0, len(chunks)} | set(phases) | tilt), [], True  # fresh: A drawn anew (not carried)
     for a, b in zip(edges, edges[1:]):
         mine, n = order[a:b][rt.rank::rt.world_size], -(-(b - a) // (rt.world_size * rows))
         for j in range(n):
             ids, train_upto = mine[j * rows: (j + 1) * rows], b if j == n - 1 and b in phases else 0
-            steps.append((ids, train_upto, cfg.ttt_warm_start_a and not fresh))
+            steps.append((ids, train_upto, cfg.ttt_warm_start_a and not fresh, a))
             fresh = bool(train_upto) or (fresh and not ids)  # global SGD changed the model: A restarts
     return LoraPlan(chunks, list(zip(starts, ends)), order, phases, steps)
 
@@ -2319,14 +2385,16 @@ def lora_warmup(cfg: Hyperparameters, rt: Runtime, model: GPT, fn: Callable, ada
 
 
 def lora_batch(cfg: Hyperparameters, rt: Runtime, scorer: Scorer, fn: Callable, adapter: Adapter,
-               batch: list[list[tuple[int, int, int]]], keep: bool, probe: dict | None) -> Tensor:
+               batch: list[list[tuple[int, int, int]]], keep: bool, probe: dict | None,
+               ngram: tuple | None = None) -> Tensor:
     """One lockstep batch (most chunks first): step c scores chunk c of each document still going, then takes
     TTT_GRAD_STEPS AdamW steps on each row's mean chunk NLL (none on a last chunk); returns the sums."""
     sums, rows, T = torch.zeros(3, dtype=torch.float64, device=rt.device), cfg.ttt_batch_size, cfg.eval_seq_len
-    plan = torch.zeros(len(batch[0]), rows, 4, dtype=torch.int64)  # step c's rows: window, trained; one copy
+    plan = torch.zeros(len(batch[0]), rows, 5, dtype=torch.int64)  # step c's rows: window, trained, document start
     for r, d in enumerate(batch):
         plan[:len(d), r, :3] = torch.tensor(d)
         plan[:len(d) - 1, r, 3] = 1  # the last chunk is not trained on
+        plan[:, r, 4] = ngram[1][r] if ngram else 0
     if rt.device.type == "cuda":  # pinned, so the copy does not wait for the GPU to drain
         plan = plan.pin_memory().to(rt.device, non_blocking=True)
     adapter.reset(keep)
@@ -2340,13 +2408,15 @@ def lora_batch(cfg: Hyperparameters, rt: Runtime, scorer: Scorer, fn: Callable, 
         length = min(T, max(T // 16, 8, 1 << (max(hi - s for s, _, hi in going) - 1).bit_length()))
         w = plan[c, :n]
         for step in range(max(cfg.ttt_grad_steps, 1)):
-            logits, nll, (x, y, mask, nbytes) = scorer.rows_nll(fn, w, length, adapter)
+            logits, nll, (_, y, mask, nbytes) = scorer.rows_nll(fn, w, length, adapter)
             if step == 0:  # the score: before any step that sees these targets
-                sums += scorer.sums(nll.detach(), mask, nbytes)
+                at = w[:, :1] + torch.arange(length, device=rt.device)  # its targets are at + 1
+                scored = nll.detach() if ngram is None else ngram[0].tilt(logits.detach(), nll.detach(), y, at, w[:, 4],
+                                                                          mask)
+                sums += scorer.sums(scored, mask, nbytes)
                 if probe is not None:
-                    at = (w[:, :1] + torch.arange(length, device=rt.device))[mask]
-                    probe["nll"][at] = nll.detach()[mask].double()
-                    probe["lse"][at] = logits.detach().float().logsumexp(-1)[mask].double()
+                    probe["nll"][at[mask]] = scored[mask].double()
+                    probe["lse"][at[mask]] = logits.detach().float().logsumexp(-1)[mask].double()
             if cfg.ttt_grad_steps == 0 or c == len(batch[0]) - 1:  # the last step trains no row
                 break
             ((nll * mask).sum(1) * w[:, 3] / mask.sum(1).clamp(min=1)).sum().backward()
@@ -2361,18 +2431,22 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, prob
     adapter_cls) and AdamW restart each batch; global_sgd after each phase. probe (tests): each target's NLL, lse."""
     plan = lora_plan(cfg, rt, scorer)
     adapter, fn = (adapter_cls or DocLoRA)(cfg, cfg.ttt_batch_size, rt.device), scorer.logits_fn(model)
+    ngram = NGramTable(cfg, scorer.tokens) if cfg.ngram_tilt_enabled else None
 
-    def step(s: tuple[list[int], int, bool]) -> Tensor:
-        ids, train_upto, keep = s
+    def step(s: tuple[list[int], int, bool, int]) -> Tensor:
+        ids, train_upto, keep, seg = s
         sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
+        if ngram is not None and seg > ngram.absorbed:  # every document before this segment is scored, on every rank
+            ngram.absorb([plan.spans[i] for i in plan.order[ngram.absorbed:seg]], seg)
         if ids:  # most chunks first: the documents still going are the first rows
-            sums = lora_batch(cfg, rt, scorer, fn, adapter, sorted((plan.chunks[i] for i in ids), key=len,
-                                                                   reverse=True), keep, probe)
+            ids = sorted(ids, key=lambda i: len(plan.chunks[i]), reverse=True)
+            sums = lora_batch(cfg, rt, scorer, fn, adapter, [plan.chunks[i] for i in ids], keep, probe,
+                              ngram and (ngram, [plan.spans[i][0] for i in ids]))
         if train_upto:
             global_sgd(cfg, rt, model, scorer, fn, [plan.spans[i] for i in plan.order[:train_upto]])
         return sums
 
-    done = list(itertools.accumulate(len(ids) for ids, _, _ in plan.steps))
+    done = list(itertools.accumulate(len(ids) for ids, *_ in plan.steps))
     with grad_flags(model, False):  # gradients reach the adapters only (and the base weights in global_sgd)
         return scorer.loop(lambda: lora_warmup(cfg, rt, model, fn, adapter, bool(plan.phases)), plan.steps, step,
                            "ttt_lora_docs", done, f"ttt_lora documents:{len(plan.chunks)} chunks:"
