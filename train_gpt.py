@@ -543,8 +543,17 @@ class Runtime:
 
     def describe(self) -> str:
         return (f"layout world_size:{self.world_size} grad_accum_steps:{self.grad_accum_steps} "
-                f"attn_backend:{self.attn_backend} "
-                f"kernels:{self.kernels} compile:{int(self.compile_enabled)} cuda_graphs:{int(self.cuda_graphs)}")
+                f"attn_backend:{self.attn_backend} kernels:{self.kernels} compile:{int(self.compile_enabled)} "
+                f"cuda_graphs:{int(self.cuda_graphs)}" + (f" memory:{memory(self.device)}" if self.device.type ==
+                                                          "cuda" else ""))
+
+
+def memory(device: torch.device) -> str:
+    """What this process may use: free GiB, reserved by it, the allocator's cap (set_per_process_memory_fraction)."""
+    free, total = torch.cuda.mem_get_info(device)
+    cap = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device) * total
+    return "{:.1f} GiB free, {:.1f} reserved, cap {:.1f}".format(*(x / 2 ** 30 for x in (
+        free, torch.cuda.memory_reserved(device), cap)))
 
 
 def resolve_grad_accum_steps(cfg: Hyperparameters, world_size: int) -> int:
@@ -691,12 +700,7 @@ def memory_advice(rt: Runtime, change: str):
     try:
         yield
     except torch.cuda.OutOfMemoryError as e:
-        if rt.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(rt.device)
-            cap = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(rt.device) * total
-            gib = [x / 2 ** 30 for x in (free, torch.cuda.memory_reserved(rt.device), cap)]
-            change = "{:.1f} GiB free, {:.1f} reserved by this process, its cap {:.1f}; ".format(*gib) + change
-        e.add_note(change)
+        e.add_note(f"{memory(rt.device)}; {change}" if rt.device.type == "cuda" else change)
         raise
 
 

@@ -406,3 +406,20 @@ def test_out_of_memory_names_the_setting_to_change(where, setting, monkeypatch, 
         run_main(monkeypatch, tmp_path, dataset, tokenizer_path, "oom", TTT_ENABLED=1, GRAD_ACCUM_STEPS=1,
                  COMPILE_ENABLED=1 if name == "warm" else 0)
     assert any(n.startswith(setting) for n in getattr(e.value, "__notes__", [])), e.value.__notes__
+
+
+def test_the_memory_a_process_may_use_is_logged_and_in_the_out_of_memory_note(monkeypatch):
+    """On CUDA the layout line and an out-of-memory note say the free memory, this process's reserve and its cap (here
+    faked: no GPU on the CPU machines)."""
+    import types
+    import train_gpt as tg
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (10 * 2 ** 30, 80 * 2 ** 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 3 * 2 ** 30)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 0.4, raising=False)
+    cuda = torch.device("cuda")
+    rt = tg.Runtime(0, 1, 0, cuda, "varlen", "triton", True, True, 8)
+    assert rt.describe().endswith(" memory:10.0 GiB free, 3.0 reserved, cap 32.0")
+    with pytest.raises(torch.cuda.OutOfMemoryError) as e:
+        with tg.memory_advice(types.SimpleNamespace(device=cuda), "lower X"):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    assert e.value.__notes__ == ["10.0 GiB free, 3.0 reserved, cap 32.0; lower X"]
