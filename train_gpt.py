@@ -48,6 +48,8 @@ try:  # the optional kernels (Kernels section); CUDA builds of torch bring trito
     import triton.language as tl
 except ImportError:
     triton = None
+# registered only where they can run: registering one imports inductor, 0.7 s of every CPU process (the tests' ~100)
+KERNELS_HERE = triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 # ===== Config =====
 
@@ -1747,6 +1749,11 @@ def observe(hessians: dict | None, names: tuple[str, ...], i: int, x_BTC: Tensor
 # ===== Kernels: the Ops above as Triton kernels (optional; KERNELS=triton, the default on CUDA) =====
 # Each op is a torch.library.triton_op with its backward registered: inductor launches the kernels from its own code.
 
+
+def triton_op(name: str) -> Callable:
+    return torch.library.triton_op(f"pgolf::{name}", mutates_args=()) if KERNELS_HERE else lambda fn: fn
+
+
 # q/k RMSNorm + RoPE + gain: inductor's fusion took 39 ms of a 566 ms record step (H200), these 19.7 ms and 1.1 GB
 # less peak memory. Rows are (token, head) pairs; the backward recomputes the norm and writes dx and one
 # gain-gradient partial per row. Math in fp32, one bf16 rounding.
@@ -1854,7 +1861,7 @@ def _qk_launch_args(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_H: Tens
 
 
 # Without a gain, x stands in for the unread gain pointers.
-@torch.library.triton_op("pgolf::qk_norm_rope", mutates_args=())
+@triton_op("qk_norm_rope")
 def qk_norm_rope_triton(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_H: Tensor | None) -> Tensor:
     """qk_norm_rope_reference in one Triton kernel (CUDA, or the CPU under TRITON_INTERPRET=1)."""
     grid, n_rows, stride, T, meta, _ = _qk_launch_args(x_BTHD, cos_TF, sin_TF, gain_H)
@@ -1865,7 +1872,7 @@ def qk_norm_rope_triton(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_H: 
     return y
 
 
-@torch.library.triton_op("pgolf::qk_norm_rope_backward", mutates_args=())
+@triton_op("qk_norm_rope_backward")
 def qk_norm_rope_backward(dy_BTHD: Tensor, x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor,
                           gain_H: Tensor | None) -> tuple[Tensor, Tensor]:
     grid, n_rows, stride, T, _, meta = _qk_launch_args(x_BTHD, cos_TF, sin_TF, gain_H)
@@ -1888,7 +1895,8 @@ def _qk_backward(ctx, dy):
     return dx, None, None, (dg.to(gain.dtype) if gain is not None else None)
 
 
-qk_norm_rope_triton.register_autograd(_qk_backward, setup_context=_save_inputs)
+if KERNELS_HERE:
+    qk_norm_rope_triton.register_autograd(_qk_backward, setup_context=_save_inputs)
 
 
 # XSA: inductor's fusion took about 12 ms of a record step (7 kernels, the normalised v kept in fp32); these made
@@ -1956,7 +1964,7 @@ def _xsa_launch_args(y_BTHD: Tensor, v_BTKD: Tensor) -> tuple:
     return (triton.cdiv(n_rows, XSA_ROWS_PER_PROGRAM),), n_rows, v_BTKD.stride(1), meta
 
 
-@torch.library.triton_op("pgolf::xsa", mutates_args=())
+@triton_op("xsa")
 def exclusive_self_attention_triton(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
     """exclusive_self_attention_reference in one Triton kernel (CUDA, or the CPU under TRITON_INTERPRET=1)."""
     grid, n_rows, v_stride, meta = _xsa_launch_args(y_BTHD, v_BTKD)
@@ -1966,7 +1974,7 @@ def exclusive_self_attention_triton(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
     return out
 
 
-@torch.library.triton_op("pgolf::xsa_backward", mutates_args=())
+@triton_op("xsa_backward")
 def exclusive_self_attention_backward(dout_BTHD: Tensor, y_BTHD: Tensor, v_BTKD: Tensor) -> tuple[Tensor, Tensor]:
     grid, n_rows, v_stride, meta = _xsa_launch_args(y_BTHD, v_BTKD)
     dout, y = dout_BTHD.contiguous(), y_BTHD.contiguous()
@@ -1975,8 +1983,9 @@ def exclusive_self_attention_backward(dout_BTHD: Tensor, y_BTHD: Tensor, v_BTKD:
     return dy, dv
 
 
-exclusive_self_attention_triton.register_autograd(
-    lambda ctx, dout: exclusive_self_attention_backward(dout, *ctx.saved_tensors), setup_context=_save_inputs)
+if KERNELS_HERE:
+    exclusive_self_attention_triton.register_autograd(
+        lambda ctx, dout: exclusive_self_attention_backward(dout, *ctx.saved_tensors), setup_context=_save_inputs)
 
 
 # Soft-capped cross entropy: inductor's fusion ran at 1.3-1.8 TB/s (libdevice tanh and exp are long); here tanh is
@@ -2036,7 +2045,7 @@ def _ce_launch_args(logits_NV: Tensor, targets_N: Tensor, cap: float) -> tuple:
     return (N,), dict(V=V, BV=BV, CAP=float(cap)), (min(8, max(1, BV // 1024)), min(8, max(1, BV // 256)))
 
 
-@torch.library.triton_op("pgolf::softcap_ce", mutates_args=())
+@triton_op("softcap_ce")
 def _softcap_ce(logits_NV: Tensor, targets_N: Tensor, cap: float) -> tuple[Tensor, Tensor]:
     grid, meta, (warps, _) = _ce_launch_args(logits_NV, targets_N, cap)
     x, t = logits_NV.contiguous(), targets_N.contiguous()
@@ -2046,7 +2055,7 @@ def _softcap_ce(logits_NV: Tensor, targets_N: Tensor, cap: float) -> tuple[Tenso
     return loss, lse
 
 
-@torch.library.triton_op("pgolf::softcap_ce_backward", mutates_args=())
+@triton_op("softcap_ce_backward")
 def _softcap_ce_backward(dloss_N: Tensor, logits_NV: Tensor, targets_N: Tensor, lse_N: Tensor, cap: float) -> Tensor:
     grid, meta, (_, warps) = _ce_launch_args(logits_NV, targets_N, cap)
     x, t, g = logits_NV.contiguous(), targets_N.contiguous(), dloss_N.float()
@@ -2061,9 +2070,10 @@ def _ce_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])  # the log-sum-exp is the backward's, not a result
 
 
-_softcap_ce.register_autograd(  # saved: logits, targets, log-sum-exp
-    lambda ctx, dloss, _dlse: (_softcap_ce_backward(dloss, *ctx.saved_tensors, ctx.cap), None, None),
-    setup_context=_ce_setup)
+if KERNELS_HERE:
+    _softcap_ce.register_autograd(  # saved: logits, targets, log-sum-exp
+        lambda ctx, dloss, _dlse: (_softcap_ce_backward(dloss, *ctx.saved_tensors, ctx.cap), None, None),
+        setup_context=_ce_setup)
 
 
 def softcap_cross_entropy(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Tensor:
@@ -2078,8 +2088,7 @@ def softcap_loss_triton(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Ten
     return softcap_cross_entropy(logits_NV, targets_N, cap).mean()
 
 
-TRITON_OPS = None if triton is None else Ops(qk_norm_rope_triton, exclusive_self_attention_triton,
-                                              softcap_loss_triton)
+TRITON_OPS = Ops(qk_norm_rope_triton, exclusive_self_attention_triton, softcap_loss_triton) if KERNELS_HERE else None
 
 
 def build_model(cfg: Hyperparameters, rt: Runtime) -> GPT:

@@ -138,6 +138,8 @@ def _script_command(env: dict[str, str], nproc: int, script: Path = SCRIPT) -> t
     full = {k: v for k, v in os.environ.items()
             if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "DEBUG"))}
     full.update(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if full.get("KERNELS") != "triton":  # the kernels are registered only where they run: 0.7 s a process less
+        full.pop("TRITON_INTERPRET", None)
     if nproc == 1:
         return [sys.executable, str(script)], full
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)], full

@@ -32,7 +32,7 @@ def tiny_base(dataset, tokenizer_path, **overrides) -> str:
 
 def run_sweep(args: list[str], cwd: Path, gpus: str = "", timeout: int = 600, **env_extra) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "OMP_NUM_THREADS"))}
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "OMP_NUM_THREADS", "TRITON_INTERPRET"))}
     env.update(CUDA_VISIBLE_DEVICES=gpus, PYTHONUNBUFFERED="1", **env_extra)
     return subprocess.run([sys.executable, str(SWEEP), *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -280,7 +280,7 @@ def test_a_terminated_sweep_kills_its_runs(tmp_path):
     src = (ROOT / "train_gpt.py").read_text()
     script.write_text(src[: src.index('if __name__ == "__main__":')] + 'if __name__ == "__main__":\n'
                       '    Path("pid").write_text(str(os.getpid()))\n    time.sleep(120)\n')
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_NUM_THREADS")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_NUM_THREADS", "TRITON_INTERPRET"))}
     proc = subprocess.Popen([sys.executable, str(SWEEP), "--script", str(script), "--seeds", "1"], cwd=tmp_path,
                             env=dict(env, CUDA_VISIBLE_DEVICES=""), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
