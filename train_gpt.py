@@ -470,7 +470,7 @@ def _parse_value(key: str, raw: str, typ: str):
 
 
 # Model settings added after artifacts existed: what one made before them meant (125da04: the record's SmearGate)
-ADDED_MODEL_SETTINGS = {"smear_gate_enabled": False}
+ADDED_MODEL_SETTINGS = {"smear_gate_enabled": False, "asym_logit_rescale": False}
 
 
 def adopt_settings(cfg: Hyperparameters, stored: dict, names: tuple[str, ...], explicit: set[str],
@@ -935,7 +935,8 @@ PARAM_TABLE = (  # (group, name predicate): every parameter's optimizer and lr/w
     ("muon", lambda n: n in BANKS),
     ("token", lambda n: n in EMBED_TABLES),
     ("head", lambda n: n == "lm_head.weight"),
-    ("scalar", lambda n: n not in BANKS and n not in EMBED_TABLES and n != "lm_head.weight"),
+    ("cap", lambda n: n == "softcap_pm"),  # AsymLogit's caps (about 30): weight decay would pull them to 1/ADAM_WD
+    ("scalar", lambda n: n not in BANKS and n not in EMBED_TABLES and n not in ("lm_head.weight", "softcap_pm")),
 )
 
 
@@ -963,7 +964,7 @@ class Optimizers:
         table_lr = cfg.tied_embed_lr if cfg.tie_embeddings else cfg.embed_lr
         adam_groups = [dict(params=[p for _, p in groups[g]], lr=lr, weight_decay=wd, base_lr=lr)
                        for g, lr, wd in (("token", table_lr, cfg.embed_wd), ("scalar", cfg.scalar_lr, cfg.adam_wd),
-                                         ("head", cfg.head_lr, 0.0)) if groups[g]]
+                                         ("head", cfg.head_lr, 0.0), ("cap", cfg.scalar_lr, 0.0)) if groups[g]]
         self.adam = torch.optim.AdamW(adam_groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                                       fused=rt.device.type == "cuda")
         self.muon.param_groups[0]["base_lr"] = cfg.matrix_lr
@@ -1392,7 +1393,7 @@ def exclusive_self_attention_reference(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor
 def softcap(logits: Tensor, cap: float | Tensor) -> Tensor:
     """c tanh(z / c); cap a Tensor (s+, s-): AsymLogit, s+ where z >= 0, s- below."""
     if isinstance(cap, Tensor):
-        cap = torch.where(logits >= 0, cap[0], cap[1]).to(logits.dtype)
+        cap = torch.where(logits >= 0, cap[0].to(logits.dtype), cap[1].to(logits.dtype))
         return cap * torch.tanh(logits / cap)
     return cap * torch.tanh(logits / cap) if cap > 0 else logits
 
@@ -2312,7 +2313,8 @@ class NGramTable:
         return (self.tokens[t[..., None] - torch.arange(self.k, 0, -1, device=t.device)] * self.coef).sum(-1)
 
     def absorb(self, spans: list[tuple[int, int]], upto: int) -> None:
-        t = torch.cat([torch.arange(s + self.k, max(e, s + self.k), device=self.tokens.device) for s, e in spans]
+        dev = self.tokens.device  # a span's targets are tokens s + 1 .. e
+        t = torch.cat([torch.arange(s + self.k, max(e + 1, s + self.k), device=dev) for s, e in spans]
                       + [self.pairs[:0]])
         ctx, tok = self.context(t), self.tokens[t]
         pairs, inv = torch.unique(torch.cat((self.pairs, ctx * 1000003 + tok)), return_inverse=True)
@@ -3106,23 +3108,52 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def shipped_code(source: str) -> bytes:
     """The train_gpt.py a record ships (code_bytes): this source without its prose (comments, docstrings, the
-    settings' meanings: the README's) as ast.unparse writes it, a space a level, xz + base85 in a stub that runs it,
-    registered in linecache for @triton.jit. Self-contained: records/package_record.py takes it from a log."""
+    settings' meanings: the README's) and with its indentation cut to a space a level, xz + base85 in a stub that runs
+    it, registered in linecache for @triton.jit. Self-contained: records/package_record.py takes it from a log."""
     import ast
     import base64
+    import io
     import lzma
-    import re
-    tree = ast.parse(source)
-    for node in ast.walk(tree):
+    import tokenize
+    lines, docs, meanings, drop, fixed, depth_at, depth = source.split("\n"), {}, [], set(), set(), {}, 0
+    for node in ast.walk(ast.parse(source)):
         body = getattr(node, "body", None)
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and isinstance(body[0], ast.Expr) and \
                 isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
-            node.body = body[1:] or [ast.Pass()]
+            docs[body[0].lineno, body[0].col_offset] = len(body) == 1  # alone: it becomes `pass`
         elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setting" and len(node.args) > 1:
-            node.args[1] = ast.Constant("")
-    # ast.unparse drops the comments and writes strings on one line: every leading space is indentation. 0.19 s
-    # against 0.36 for a tokenize pass that kept the source's own layout, and 52,050 B against 52,377.
-    s = re.sub(r"(?m)^(?:    )+", lambda m: " " * (len(m.group(0)) // 4), ast.unparse(tree)) + "\n"
+            meanings.append(node.args[1])
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        (r0, c0), (r1, c1) = tok.start, tok.end
+        if r0 not in depth_at:  # > 0: a continuation line
+            depth_at[r0] = depth + (r0 > 1 and lines[r0 - 2].endswith("\\"))
+        if tok.type == tokenize.OP:
+            depth += (tok.string in "([{") - (tok.string in ")]}")
+        elif tok.type == tokenize.COMMENT:
+            drop.update(() if lines[r0 - 1][:c0].strip() else (r0,))
+            lines[r0 - 1] = lines[r0 - 1][:c0]
+        elif tok.type == tokenize.STRING and (r0, c0) in docs:
+            drop.update(range(r0 + (docs[r0, c0]), r1 + 1))
+            lines[r0 - 1] = " " * c0 + "pass"
+        elif tok.type == tokenize.STRING and r1 > r0:
+            fixed.update(range(r0 + 1, r1 + 1))  # inside a multi-line string: as it is
+    char = lambda r, c: len(lines[r - 1].encode("utf-8")[:c].decode("utf-8"))  # ast's columns count UTF-8 bytes
+    for m in meanings:  # after the comments' cuts, which come later on their lines
+        lines[m.lineno - 1] = lines[m.lineno - 1][:char(m.lineno, m.col_offset)] + '""' + \
+            lines[m.end_lineno - 1][char(m.end_lineno, m.end_col_offset):]
+        drop.update(range(m.lineno + 1, m.end_lineno + 1))
+    kept = [(r, line if r in fixed else line.rstrip()) for r, line in enumerate(lines, 1)]
+    kept = [(r, code) for r, code in kept if r in fixed or (r not in drop and code)]
+    indents = [len(code) - len(code.lstrip(" ")) for r, code in kept if r not in fixed and not depth_at.get(r)]
+    unit = min((n for n in indents if n), default=1)  # 4 here; 1 in what this returns: the same again
+    out, level = [], 0  # a continuation line one space past its statement's: Triton's jit dedents a kernel's source
+    for r, code in kept:
+        if r not in fixed:
+            level = level + 1 if depth_at.get(r) else (len(code) - len(code.lstrip(" "))) // unit
+            code = " " * level + code.lstrip(" ")
+            level -= bool(depth_at.get(r))
+        out.append(code)
+    s = "\n".join(out) + "\n"
     packed = base64.b85encode(lzma.compress(s.encode("utf-8"), preset=9 | lzma.PRESET_EXTREME)).decode()
     return (f'import base64,linecache,lzma\ns=lzma.decompress(base64.b85decode("{packed}")).decode()\n'
             'f=__file__+"#source"\nlinecache.cache[f]=(len(s),None,s.splitlines(True),f)\nREADABLE_SOURCE=s\n'
@@ -3382,10 +3413,10 @@ class Trainer:
                 clocks.train_ms = last_ckpt = elapsed
                 self.save_checkpoint(ema, self.where(step, progress, clocks, elapsed))
                 clocks.restart()
-            lr_scale = lr_scale_at(cfg, step, elapsed) * self.set_span(step, progress)
-            self.switch_modes(step, lr_scale, progress)
+            lr_scale, ramp = lr_scale_at(cfg, step, elapsed), self.set_span(step, progress)
+            self.switch_modes(step, lr_scale, progress)  # on the schedule's scale, not the span change's ramp
             try:
-                loss = self.step(step, lr_scale)
+                loss = self.step(step, lr_scale * ramp)
             except ShardError as e:  # raised before the step's work: keep what was trained
                 self.save_checkpoint(ema, self.where(step, progress, clocks, clocks.now()))
                 raise ShardError(f"{e}; checkpoint {self.ckpt_path} written at step {step}: fix the data, "

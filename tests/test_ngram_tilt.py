@@ -50,7 +50,7 @@ def test_the_counts_equal_a_dictionary_count_of_the_absorbed_documents():
     table.absorb(spans, 4)
     counts: dict[tuple, dict[int, int]] = {}
     for s, e in spans:
-        for t in range(s + 2, e):
+        for t in range(s + 2, e + 1):  # a span's targets are tokens s + 1 .. e
             c = counts.setdefault(tuple(tokens[t - 2:t].tolist()), {})
             c[int(tokens[t])] = c.get(int(tokens[t]), 0) + 1
     t = torch.arange(2, 269)

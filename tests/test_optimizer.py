@@ -443,6 +443,8 @@ def expected_group(name: str) -> str:
         return "token"
     if name == "lm_head.weight":
         return "head"
+    if name == "softcap_pm":  # AsymLogit's caps: no weight decay
+        return "cap"
     return "scalar"
 
 
@@ -455,6 +457,7 @@ CONFIGS = {
     "record_smear": dict(smear_enabled=False, smear_gate_enabled=True),
     "all_off_untied": dict(tie_embeddings=False, bigram_vocab_size=0, ve_enabled=False, smear_enabled=False),
     "three_layers": dict(num_layers=3, ve_layers="1,2", xsa_last_n=2),
+    "asym": dict(asym_logit_rescale=True),
 }
 
 
@@ -463,7 +466,7 @@ def test_parameter_table_covers_every_parameter_once(overrides):
     cfg = opt_cfg(**overrides)
     model = tg.build_model(cfg, tg.Runtime())
     groups = tg.group_parameters(model)
-    assert set(groups) == {g for g, _ in tg.PARAM_TABLE} == {"muon", "token", "head", "scalar"}
+    assert set(groups) == {g for g, _ in tg.PARAM_TABLE} == {"muon", "token", "head", "cap", "scalar"}
     seen = [id(p) for members in groups.values() for _, p in members]
     assert len(seen) == len(set(seen)) == len(list(model.parameters()))
     assert set(seen) == {id(p) for p in model.parameters()}
@@ -485,14 +488,15 @@ def test_parameter_table_covers_every_parameter_once(overrides):
     assert (mg["lr"], mg["weight_decay"], mg["momentum"], mg["ns_steps"]) == (
         cfg.matrix_lr, cfg.muon_wd, cfg.muon_momentum, cfg.muon_backend_steps)
     table_lr = cfg.tied_embed_lr if cfg.tie_embeddings else cfg.embed_lr
-    want = {"token": (table_lr, cfg.embed_wd), "scalar": (cfg.scalar_lr, cfg.adam_wd), "head": (cfg.head_lr, 0.0)}
+    want = {"token": (table_lr, cfg.embed_wd), "scalar": (cfg.scalar_lr, cfg.adam_wd), "head": (cfg.head_lr, 0.0),
+            "cap": (cfg.scalar_lr, 0.0)}  # AsymLogit's caps: no weight decay
     adam_ids = set()
     for g in opt.adam.param_groups:
         ids = {id(p) for p in g["params"]}
         adam_ids |= ids
         (name,) = [k for k in want if ids == {id(p) for _, p in groups[k]}]
         assert (g["lr"], g["weight_decay"]) == want[name], name
-    assert adam_ids == {id(p) for k in ("token", "scalar", "head") for _, p in groups[k]}
+    assert adam_ids == {id(p) for k in ("token", "scalar", "head", "cap") for _, p in groups[k]}
     assert opt.adam.defaults["betas"] == (cfg.beta1, cfg.beta2) and opt.adam.defaults["eps"] == cfg.adam_eps
 
 
