@@ -1752,7 +1752,14 @@ def observe(hessians: dict | None, names: tuple[str, ...], i: int, x_BTC: Tensor
 
 
 def triton_op(name: str) -> Callable:
-    return torch.library.triton_op(f"pgolf::{name}", mutates_args=()) if KERNELS_HERE else lambda fn: fn
+    """torch.library.triton_op where the kernels can run (KERNELS_HERE); elsewhere the function, unregistered."""
+    if KERNELS_HERE:
+        return torch.library.triton_op(f"pgolf::{name}", mutates_args=())
+
+    def plain(fn: Callable) -> Callable:
+        fn.register_autograd = lambda *args, **kwargs: None
+        return fn
+    return plain
 
 
 # q/k RMSNorm + RoPE + gain: inductor's fusion took 39 ms of a 566 ms record step (H200), these 19.7 ms and 1.1 GB
@@ -1896,8 +1903,7 @@ def _qk_backward(ctx, dy):
     return dx, None, None, (dg.to(gain.dtype) if gain is not None else None)
 
 
-if KERNELS_HERE:
-    qk_norm_rope_triton.register_autograd(_qk_backward, setup_context=_save_inputs)
+qk_norm_rope_triton.register_autograd(_qk_backward, setup_context=_save_inputs)
 
 
 # XSA: inductor's fusion took about 12 ms of a record step (7 kernels, the normalised v kept in fp32); these made
@@ -1984,9 +1990,8 @@ def exclusive_self_attention_backward(dout_BTHD: Tensor, y_BTHD: Tensor, v_BTKD:
     return dy, dv
 
 
-if KERNELS_HERE:
-    exclusive_self_attention_triton.register_autograd(
-        lambda ctx, dout: exclusive_self_attention_backward(dout, *ctx.saved_tensors), setup_context=_save_inputs)
+exclusive_self_attention_triton.register_autograd(
+    lambda ctx, dout: exclusive_self_attention_backward(dout, *ctx.saved_tensors), setup_context=_save_inputs)
 
 
 # Soft-capped cross entropy: inductor's fusion ran at 1.3-1.8 TB/s (libdevice tanh and exp are long); here tanh is
@@ -2071,10 +2076,9 @@ def _ce_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])  # the log-sum-exp is the backward's, not a result
 
 
-if KERNELS_HERE:
-    _softcap_ce.register_autograd(  # saved: logits, targets, log-sum-exp
-        lambda ctx, dloss, _dlse: (_softcap_ce_backward(dloss, *ctx.saved_tensors, ctx.cap), None, None),
-        setup_context=_ce_setup)
+_softcap_ce.register_autograd(  # saved: logits, targets, log-sum-exp
+    lambda ctx, dloss, _dlse: (_softcap_ce_backward(dloss, *ctx.saved_tensors, ctx.cap), None, None),
+    setup_context=_ce_setup)
 
 
 def softcap_cross_entropy(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Tensor:
@@ -2456,7 +2460,7 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, prob
         if ids:  # most chunks first: the documents still going are the first rows
             ids = sorted(ids, key=lambda i: len(plan.chunks[i]), reverse=True)
             sums = lora_batch(cfg, rt, scorer, fn, adapter, [plan.chunks[i] for i in ids], keep, probe,
-                              ngram and (ngram, [plan.spans[i][0] for i in ids]))
+                              None if ngram is None else (ngram, [plan.spans[i][0] for i in ids]))
         if train_upto:
             global_sgd(cfg, rt, model, scorer, fn, [plan.spans[i] for i in plan.order[:train_upto]])
         return sums
@@ -3149,9 +3153,9 @@ def shipped_code(source: str) -> bytes:
     out, level = [], 0  # a continuation line one space past its statement's: Triton's jit dedents a kernel's source
     for r, code in kept:
         if r not in fixed:
-            level = level + 1 if depth_at.get(r) else (len(code) - len(code.lstrip(" "))) // unit
-            code = " " * level + code.lstrip(" ")
-            level -= bool(depth_at.get(r))
+            if not depth_at.get(r):
+                level = (len(code) - len(code.lstrip(" "))) // unit
+            code = " " * (level + bool(depth_at.get(r))) + code.lstrip(" ")
         out.append(code)
     s = "\n".join(out) + "\n"
     packed = base64.b85encode(lzma.compress(s.encode("utf-8"), preset=9 | lzma.PRESET_EXTREME)).decode()

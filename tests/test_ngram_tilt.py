@@ -7,16 +7,14 @@ phases, and failing when the counts absorb the segment under way); 2 ranks score
 global order, the counts the same on every rank)."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_scorer, spawn
-from test_ttt_lora import lora_cfg, make_luts, make_stream, model_for
-from test_ttt_phased import changed_only_after
+from conftest import spawn
+from test_ttt_lora import lora_cfg, make_stream
+from test_ttt_phased import _phased_on_rank, changed_only_after
 import train_gpt as tg
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,19 +84,11 @@ def test_the_tilt_moves_the_score_and_counting_the_segment_under_way_breaks_caus
             changed_only_after(lora_cfg(**TILT), p, monkeypatch)
 
 
-def _tilt_on_rank(rank: int, world_size: int, tokens: list[int]):
-    cfg = lora_cfg(**TILT)
-    scorer = make_scorer(cfg, torch.tensor(tokens), make_luts(), rank=rank, world_size=world_size)
-    probe = {k: torch.full((len(tokens) - 1,), float("nan"), dtype=torch.float64) for k in ("nll", "lse")}
-    score = tg.lora_ttt(cfg, scorer.rt, model_for(cfg).double(), scorer, probe=probe)
-    return (score.loss, score.tokens), probe["nll"].numpy()
-
-
 def test_two_ranks_equal_one_rank_with_the_tilt():
     tokens = make_stream(270).tolist()
-    one, one_nll = _tilt_on_rank(0, 1, tokens)
-    (s0, n0), (s1, n1) = spawn(_tilt_on_rank, 2, tokens)
-    assert s0 == s1 and s0[1] == one[1] == 269 and s0[0] == pytest.approx(one[0], rel=1e-7)
+    one, one_nll = _phased_on_rank(0, 1, tokens, TILT)
+    (s0, n0), (s1, n1) = spawn(_phased_on_rank, 2, tokens, TILT)
+    assert s0 == s1 and s0[2] == one[2] == 269 and s0[0] == pytest.approx(one[0], rel=1e-7)
     both = np.where(np.isnan(n0), n1, n0)
     assert not np.isnan(both).any()
     np.testing.assert_allclose(both, one_nll, rtol=1e-5)

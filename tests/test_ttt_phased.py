@@ -117,10 +117,10 @@ def test_a_is_reset_after_each_phase(monkeypatch):
     assert seen == [False, False, True, False, True, False, True]
 
 
-def _phased_on_rank(rank: int, world_size: int, tokens: list[int]):
+def _phased_on_rank(rank: int, world_size: int, tokens: list[int], settings: dict | None = None):
     """In float64: each rank batches other documents together than one rank does, and the adapters' Adam could turn
-    fp32 rounding of a near-zero gradient into a whole step."""
-    cfg = lora_cfg(**PHASED)
+    fp32 rounding of a near-zero gradient into a whole step. `settings`: lora_cfg's (PHASED's by default)."""
+    cfg = lora_cfg(**(PHASED if settings is None else settings))
     scorer = make_scorer(cfg, torch.tensor(tokens), make_luts(), rank=rank, world_size=world_size)
     probe = {k: torch.full((len(tokens) - 1,), float("nan"), dtype=torch.float64) for k in ("nll", "lse")}
     score = tg.lora_ttt(cfg, scorer.rt, model_for(cfg).double(), scorer, probe=probe)
