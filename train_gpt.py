@@ -116,7 +116,8 @@ class Hyperparameters:
                                       "in rows of TRAIN_SEQ_LEN = the last LEN; DOC_ISOLATION=1; empty = off")
     seq_change_warmup_steps: int = setting(32, "lr ramp over N steps after a span change", NON_NEGATIVE,
                                            on="train_seq_schedule")
-    grad_accum_steps: int = setting(0, "0 = max(1, 8 // WORLD_SIZE): same global batch for 1..8 GPUs", NON_NEGATIVE)
+    grad_accum_steps: int = setting(0, "0 = max(1, 8 // WORLD_SIZE), doubled while a micro-batch's activations "
+                                    "overrun the memory (activation_bytes): same global batch and math", NON_NEGATIVE)
     compile_enabled: str = setting("auto", "torch.compile: auto = on for CUDA, off for CPU", ("auto", "0", "1"))
     cuda_graphs: str = setting("auto", "each micro-batch's forward+backward as one CUDA graph: auto = on for CUDA",
                                ("auto", "0", "1"))
@@ -260,7 +261,8 @@ class Hyperparameters:
                                   "-0.0063 vs -0.0055, twice the time", NON_NEGATIVE, on="ttt_mode=lora")
     ttt_chunk_size: int = setting(64, "targets per chunk of a document (scored, then trained on); EVAL_STRIDE: a "
                                   "window each", POSITIVE, on="ttt_mode=lora")
-    ttt_batch_size: int = setting(64, "documents per lockstep batch (rows of a step) on each rank", POSITIVE,
+    ttt_batch_size: int = setting(0, "documents per lockstep batch (rows of a step) on each rank; 0 = 64, fewer "
+                                  "(multiples of 8) where their activations overrun the memory", NON_NEGATIVE,
                                   on="ttt_mode=lora")
     ttt_short_score_first_steps: str = setting("256:8,2000:24", "smaller chunks for short documents: LEN:CHUNK,... "
                                                "(a document of at most LEN targets: CHUNK; the records'); empty = off",
@@ -538,6 +540,8 @@ class Runtime:
     compile_enabled: bool = False
     cuda_graphs: bool = False
     grad_accum_steps: int = 1
+    budget: float = 0.0  # bytes of activations planned for (memory_budget); 0 = no limit known (CPU)
+    ttt_rows: int = 64  # TTT_BATCH_SIZE=0's rows (resolve_ttt_rows)
 
     @property
     def is_main(self) -> bool:
@@ -550,16 +554,52 @@ class Runtime:
                                                           "cuda" else ""))
 
 
-def memory(device: torch.device) -> str:
-    """What this process may use: free GiB, reserved by it, the allocator's cap (set_per_process_memory_fraction)."""
+def free_and_cap(device: torch.device) -> tuple[int, float]:
+    """The device's free bytes and the allocator's cap (set_per_process_memory_fraction)."""
     free, total = torch.cuda.mem_get_info(device)
-    cap = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device) * total
+    return free, getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device) * total
+
+
+def memory(device: torch.device) -> str:
+    """What this process may use: free GiB, reserved by it, the allocator's cap."""
+    free, cap = free_and_cap(device)
     return "{:.1f} GiB free, {:.1f} reserved, cap {:.1f}".format(*(x / 2 ** 30 for x in (
         free, torch.cuda.memory_reserved(device), cap)))
 
 
-def resolve_grad_accum_steps(cfg: Hyperparameters, world_size: int) -> int:
+# Activation bytes per (token x layer pass x model width), from peaks measured on an H200 at the defaults: a training
+# micro-batch (compiled; its CUDA graph's pool is this block) and a TTT row (54,210 MiB at 64 rows of 2,048)
+TRAIN_ACT_BYTES, TTT_ACT_BYTES = 36, 50
+MEMORY_USE = 0.85  # of what the process may use; the rest: weights, optimizer states, the allocator's fragmentation
+
+
+def activation_bytes(cfg: Hyperparameters, tokens: int, per: int) -> int:
+    return per * tokens * cfg.model_dim * len(layer_order(cfg, True))
+
+
+def memory_budget(device: torch.device) -> float:
+    """MEMORY_USE of what every rank may use (the smaller of its free memory and the allocator's cap); 0 off CUDA."""
+    return -all_reduce_max(-MEMORY_USE * min(free_and_cap(device)), device) if device.type == "cuda" else 0.0
+
+
+def ttt_rows(cfg: Hyperparameters, rt: Runtime) -> int:
+    return cfg.ttt_batch_size or rt.ttt_rows
+
+
+def resolve_ttt_rows(cfg: Hyperparameters, budget: float) -> int:
+    rows = cfg.ttt_batch_size or 64
+    while not cfg.ttt_batch_size and rows > 8 and activation_bytes(
+            cfg, rows * cfg.eval_seq_len, TTT_ACT_BYTES) > budget > 0:
+        rows -= 8
+    return rows
+
+
+def resolve_grad_accum_steps(cfg: Hyperparameters, world_size: int, budget: float = 0.0) -> int:
     accum = cfg.grad_accum_steps or max(1, 8 // world_size)
+    seqs = cfg.train_batch_tokens // (world_size * cfg.train_seq_len)
+    while not cfg.grad_accum_steps and seqs % (2 * accum) == 0 and activation_bytes(
+            cfg, cfg.train_batch_tokens // (world_size * accum), TRAIN_ACT_BYTES) > budget > 0:
+        accum *= 2
     if cfg.train_batch_tokens % (world_size * accum * cfg.train_seq_len):
         raise ValueError(f"TRAIN_BATCH_TOKENS={cfg.train_batch_tokens} does not divide into WORLD_SIZE={world_size}"
                          f" x GRAD_ACCUM_STEPS={accum} x TRAIN_SEQ_LEN={cfg.train_seq_len}")
@@ -596,9 +636,6 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
     if attn == "varlen" and not cfg.doc_isolation:  # and not chosen by auto: not yet measured
         raise ValueError("ATTN_BACKEND=varlen is DOC_ISOLATION=1's backend")
     kernels = cfg.kernels if cfg.kernels != "auto" else ("triton" if cuda and triton is not None else "torch")
-    auto_on = {"auto": cuda, "1": True, "0": False}
-    rt = Runtime(rank, world_size, local_rank, device, attn, kernels, auto_on[cfg.compile_enabled],
-                 auto_on[cfg.cuda_graphs], resolve_grad_accum_steps(cfg, world_size))
     configure_inductor()
     if cuda:
         torch.cuda.set_device(device)
@@ -608,7 +645,10 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
             getattr(torch.backends.cuda, f"enable_{kind}_sdp")(kind == {"varlen": "cudnn"}.get(attn, attn))
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl", device_id=device) if cuda else dist.init_process_group("gloo")
-    return rt
+    auto_on, budget = {"auto": cuda, "1": True, "0": False}, memory_budget(device)
+    return Runtime(rank, world_size, local_rank, device, attn, kernels, auto_on[cfg.compile_enabled],
+                   auto_on[cfg.cuda_graphs], resolve_grad_accum_steps(cfg, world_size, budget), budget,
+                   resolve_ttt_rows(cfg, budget))
 
 
 def check_same_on_ranks(env: dict[str, str]) -> None:
@@ -2367,7 +2407,7 @@ def lora_plan(cfg: Hyperparameters, rt: Runtime, scorer: Scorer) -> LoraPlan:
     """Per-document windows cut into chunks that keep their context; documents longest first (the records') in
     lockstep batches of TTT_BATCH_SIZE, as many on every rank."""
     starts = scorer.doc_starts(per_doc=True)  # an adapter learns one document: its windows are the document's own
-    ends, rows = starts[1:] + [scorer.tokens.numel() - 1], cfg.ttt_batch_size
+    ends, rows = starts[1:] + [scorer.tokens.numel() - 1], ttt_rows(cfg, rt)
     chunks: list[list[tuple[int, int, int]]] = [[] for _ in starts]
     size = [cfg.ttt_chunk_for(e - s) for s, e in zip(starts, ends)]
     for s, lo, hi in scorer.windows(cfg.eval_stride, per_doc=True).tolist():
@@ -2390,7 +2430,7 @@ def lora_plan(cfg: Hyperparameters, rt: Runtime, scorer: Scorer) -> LoraPlan:
 def lora_warmup(cfg: Hyperparameters, rt: Runtime, model: GPT, fn: Callable, adapter: Adapter, phased: bool) -> None:
     """The compiles before the timer: lora's step (one graph for all rows x lengths) and, phased, global_sgd's."""
     if rt.compile_enabled:
-        x = torch.zeros(cfg.ttt_batch_size, cfg.eval_seq_len, dtype=torch.int64, device=rt.device)
+        x = torch.zeros(ttt_rows(cfg, rt), cfg.eval_seq_len, dtype=torch.int64, device=rt.device)
         for dim in (0, 1):
             torch._dynamo.maybe_mark_dynamic(x, dim)
         with autocast(rt.device):
@@ -2408,7 +2448,7 @@ def lora_batch(cfg: Hyperparameters, rt: Runtime, scorer: Scorer, fn: Callable, 
                ngram: tuple | None = None) -> Tensor:
     """One lockstep batch (most chunks first): step c scores chunk c of each document still going, then takes
     TTT_GRAD_STEPS AdamW steps on each row's mean chunk NLL (none on a last chunk); returns the sums."""
-    sums, rows, T = torch.zeros(3, dtype=torch.float64, device=rt.device), cfg.ttt_batch_size, cfg.eval_seq_len
+    sums, rows, T = torch.zeros(3, dtype=torch.float64, device=rt.device), ttt_rows(cfg, rt), cfg.eval_seq_len
     plan = torch.zeros(len(batch[0]), rows, 5, dtype=torch.int64)  # step c's rows: window, trained, document start
     for r, d in enumerate(batch):
         plan[:len(d), r, :3] = torch.tensor(d)
@@ -2449,7 +2489,7 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, prob
     """TTT_MODE=lora, score-first per document (lora_plan, lora_batch: the records' scheduler); adapters (DocLoRA or
     adapter_cls) and AdamW restart each batch; global_sgd after each phase. probe (tests): each target's NLL, lse."""
     plan = lora_plan(cfg, rt, scorer)
-    adapter, fn = (adapter_cls or DocLoRA)(cfg, cfg.ttt_batch_size, rt.device), scorer.logits_fn(model)
+    adapter, fn = (adapter_cls or DocLoRA)(cfg, ttt_rows(cfg, rt), rt.device), scorer.logits_fn(model)
     ngram = NGramTable(cfg, scorer.tokens) if cfg.ngram_tilt_enabled else None
 
     def step(s: tuple[list[int], int, bool, int]) -> Tensor:
@@ -2469,7 +2509,7 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, prob
     with grad_flags(model, False):  # gradients reach the adapters only (and the base weights in global_sgd)
         return scorer.loop(lambda: lora_warmup(cfg, rt, model, fn, adapter, bool(plan.phases)), plan.steps, step,
                            "ttt_lora_docs", done, f"ttt_lora documents:{len(plan.chunks)} chunks:"
-                           f"{sum(map(len, plan.chunks))} rank0_documents:{done[-1]} rows:{cfg.ttt_batch_size} "
+                           f"{sum(map(len, plan.chunks))} rank0_documents:{done[-1]} rows:{ttt_rows(cfg, rt)} "
                            f"phases:{plan.phases}")
 
 
@@ -2485,7 +2525,7 @@ class TTTMode:
 
 def lora_precompile(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer,
                     adapter_cls: type[Adapter] | None = None) -> None:
-    adapter = (adapter_cls or DocLoRA)(cfg, cfg.ttt_batch_size, rt.device)
+    adapter = (adapter_cls or DocLoRA)(cfg, ttt_rows(cfg, rt), rt.device)
     lora_warmup(cfg, rt, model, scorer.logits_fn(model), adapter, cfg.phased_ttt_prefix_docs > 0)
 
 
@@ -3281,6 +3321,7 @@ class Trainer:
         self.fwd = compiled(model, rt)
         self.graphed = self.opt.keep_grads = rt.cuda_graphs  # graphs accumulate into fixed .grad
         self.graphs: dict[Mode, tuple] = {}  # mode -> (graph, static x, static y, static loss)
+        self.warm: set[Mode] = set()  # the modes the warmup compiled
         # where train() starts (resumed: the saved clock); the loop's repeats start off
         self.clock = dict(step=0, train_ms=0.0, progress=0.0, qat=False, loop=False)
         self.mode, self.qat_grid = Mode(looping=False), FORMATS["q6"].qmax(cfg)  # late QAT: the banks' export grid
@@ -3303,8 +3344,8 @@ class Trainer:
         return loss.detach()
 
     def _capture(self, x: Tensor, y: Tensor) -> tuple:
-        """Capture fwd_bwd in the current mode at a step's first micro-batch (zero gradients). A second mode's warm-up
-        holds a second activation block (42 GB reserved vs 21)."""
+        """Capture fwd_bwd in the current mode at a step's first micro-batch (zero gradients). A mode the warmup did
+        not run compiles first on a side stream, its activations outside the pool."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if any(p.grad is not None and p.grad.any() for p in params):
             raise RuntimeError("CUDA graph capture needs zero gradients (a step's first micro-batch)")
@@ -3312,11 +3353,12 @@ class Trainer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         sx, sy = x.clone(), y.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._fwd_bwd(sx, sy)
-        torch.cuda.current_stream().wait_stream(side)
+        if self.mode not in self.warm:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._fwd_bwd(sx, sy)
+            torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         shared = next(iter(self.graphs.values()))[0].pool() if self.graphs else None  # modes never overlap
         # thread_local: the NCCL watchdog thread's event queries during capture are not this capture's business
@@ -3354,9 +3396,20 @@ class Trainer:
                      "capture) inside the timed window")
         saved = copy.deepcopy(self.state(None, self.clock))
         plan = (modes[:1] * (cfg.warmup_steps - len(modes)) + modes)[:cfg.warmup_steps]
+        # every mode compiles without graphs, then all are captured into one pool: a mode's compile beside the
+        # pool of another held two activation blocks (42 GB reserved vs 21 at the defaults)
+        graphed, self.graphed = self.graphed, False
         for i, self.mode in enumerate(plan):
             self.step(i, 1.0)
             self.log(f"warmup_step:{i + 1}/{cfg.warmup_steps}")
+        self.warm, self.graphed = set(plan), graphed
+        if self.rt.device.type == "cuda":  # the activations a micro-batch holds: TRAIN_ACT_BYTES's measure
+            self.log(f"warmup_memory allocated:{torch.cuda.max_memory_allocated() // 2 ** 20}MiB")
+        if graphed:
+            torch.cuda.empty_cache()
+            x, y = self.loader.next_batch()[0]
+            for self.mode in dict.fromkeys(plan):
+                self._capture(x, y)
         self.load(saved, None)
 
     def mean_loss(self, loss: Tensor) -> float:
@@ -3572,6 +3625,11 @@ def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[st
     for w in warnings:
         log(f"warning {w}")
     log(rt.describe())
+    if rt.budget:  # what the automatic GRAD_ACCUM_STEPS and TTT_BATCH_SIZE planned for (estimates, GiB)
+        micro = cfg.train_batch_tokens // (rt.world_size * rt.grad_accum_steps)
+        log("memory_plan budget:{:.1f} micro_batch_tokens:{} est:{:.1f} ttt_rows:{} est:{:.1f}".format(
+            rt.budget / 2 ** 30, micro, activation_bytes(cfg, micro, TRAIN_ACT_BYTES) / 2 ** 30, ttt_rows(cfg, rt),
+            activation_bytes(cfg, ttt_rows(cfg, rt) * cfg.eval_seq_len, TTT_ACT_BYTES) / 2 ** 30))
     if rt.kernels == "triton" and cfg.vocab_size > CE_MAX_VOCAB:
         log(f"kernels: the training loss runs as torch ops (VOCAB_SIZE {cfg.vocab_size} > {CE_MAX_VOCAB})")
     log(f"outputs log:{log.path} artifact:{cfg.eval_only or cfg.artifact_path}"
@@ -3821,7 +3879,7 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     np.random.seed(cfg.seed)
     log_header(log, cfg, rt, warnings, code, code_bytes)
     scorer, sample = validation_scorer(cfg, rt, log, tokenizer)
-    eval_memory = (f"lower TTT_BATCH_SIZE={cfg.ttt_batch_size} (documents a TTT step) or VAL_BATCH_SIZE="
+    eval_memory = (f"lower TTT_BATCH_SIZE={ttt_rows(cfg, rt)} (documents a TTT step) or VAL_BATCH_SIZE="
                    f"{cfg.val_batch_size} (tokens a scoring step)")
     with memory_advice(rt, eval_memory):
         precompile_eval(cfg, rt, log, scorer)
@@ -3829,7 +3887,7 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     if not cfg.eval_only:
         accum = rt.grad_accum_steps
         with memory_advice(rt, f"GRAD_ACCUM_STEPS={2 * accum} halves the micro-batch (the same global batch and "
-                           "math); CUDA_GRAPHS=0 frees the graphs' pools (one activation block per mode)"):
+                           "math); CUDA_GRAPHS=0 frees the graphs' pool in the optimizer step"):
             model, hessians, train_ms, stopped_by, eval_start = train(cfg, rt, log, scorer, ckpt, tokenizer)
         if stopped_by:
             if rt.is_main:  # nothing exported: the claim goes back

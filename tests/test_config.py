@@ -41,7 +41,7 @@ RECORD_DEFAULTS = dict(
     late_qat_threshold=0.0,
     embed_bits=7, matrix_clip_sigmas=12.85, mlp_clip_sigmas=11.5, attn_clip_sigmas=13.0, embed_clip_sigmas=14.0,
     gptq_calibration_batches=16, lqer_enabled=True, lqer_rank=4, lqer_top_k=3, lqer_asym_group=64,
-    ttt_enabled=True, ttt_mode="lora", ttt_lora_rank=80, ttt_lora_alpha=144.0, ttt_batch_size=64, ttt_grad_steps=1,
+    ttt_enabled=True, ttt_mode="lora", ttt_lora_rank=80, ttt_lora_alpha=144.0, ttt_grad_steps=1,
     ttt_weight_decay=0.5, phased_ttt_num_phases=3,
 )
 
@@ -63,6 +63,8 @@ def test_defaults_are_the_record_stack():
     assert (cfg.phased_ttt_prefix_docs, cfg.ttt_short_score_first_steps) == (2500, "256:8,2000:24")  # the records'
     # the record reserved 0.5 s and timed its Hessians after the cap; ours covers our calibration's measured time
     assert cfg.gptq_reserve_seconds == 4.5
+    # the record's 64 TTT rows and accumulation where the memory holds them (auto: fewer rows, more micro-batches)
+    assert cfg.ttt_batch_size == 0 and tg.resolve_ttt_rows(cfg, 0.0) == 64
     assert cfg.seed == 1337 and cfg.head_dim == 64 and cfg.num_kv_heads * cfg.head_dim == 256
     assert cfg.parallel_start == 8 and cfg.loop_layers == (3, 5) and cfg.ve_layer_list == []  # lanes in 8-10 of 11
     assert len(tg.layer_order(cfg, True)) == 17  # 3..5 three times

@@ -269,6 +269,7 @@ def test_doc_isolation_refuses_the_smear_without_its_bos_fix_and_gpu_backends(mo
     with pytest.raises(ValueError, match="ATTN_BACKEND=varlen is DOC_ISOLATION=1's backend"):
         tg.init_runtime(make_cfg(**(tiny | dict(DOC_ISOLATION=0)), DEVICE="cuda", KERNELS="torch", ATTN_BACKEND="varlen"), {})
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)  # and keep this process's SDPA backends
+    monkeypatch.setattr(tg, "memory_budget", lambda d: 0.0)  # no device to ask
     for kind in ("flash", "cudnn", "mem_efficient", "math"):
         monkeypatch.setattr(torch.backends.cuda, f"enable_{kind}_sdp", lambda on: None)
     # the TF32 flags by hand: pytest 9.2's monkeypatch deletes, on undo, what cuBLASModule's __getattr__ serves

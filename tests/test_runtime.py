@@ -1,6 +1,7 @@
 """Runtime: the "auto" choices (gradient accumulation, inductor settings) resolved for this machine."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,27 @@ def test_grad_accum_divisibility():
     assert tg.resolve_grad_accum_steps(make_cfg(GRAD_ACCUM_STEPS=3), 1) == 3
     with pytest.raises(ValueError, match="GRAD_ACCUM_STEPS=5"):
         tg.resolve_grad_accum_steps(make_cfg(GRAD_ACCUM_STEPS=5), 1)
+
+
+@pytest.mark.parametrize("gib", [0, 200, 31.5 * 0.85, 20, 9, 4, 0.5])
+def test_memory_plan_takes_the_fewest_micro_batches_and_most_ttt_rows_that_fit(gib):
+    """Issue 58 (one 32-GB card): with a memory budget, auto accumulation is the smallest of 8 // WORLD_SIZE times a
+    power of two whose micro-batch's activations fit (the largest that divides the batch if none does), and auto TTT
+    rows the most of 64, 56, ..., 8 that fit; a budget of 0 (no GPU) keeps 8 // WORLD_SIZE and 64; explicit settings
+    stand. The reference: activations counted by hand from the layers a looped forward runs (17 at the defaults)."""
+    (cfg, _), budget = tg.Hyperparameters.from_env({}), gib * 2 ** 30
+    act = lambda tokens, per: per * tokens * 512 * 17
+    for world in (1, 2, 8):
+        seqs, accums = 384 // world, [8 // world * 2 ** k for k in range(12)]
+        fits = [a for a in accums if seqs % a == 0 and (not budget or act(786432 // (world * a), 36) <= budget)]
+        want = fits[0] if fits else max(a for a in accums if seqs % a == 0)
+        assert tg.resolve_grad_accum_steps(cfg, world, budget) == want, world
+    rows = [r for r in range(64, 0, -8) if not budget or act(r * 2048, 50) <= budget]
+    assert tg.resolve_ttt_rows(cfg, budget) == (rows[0] if rows else 8)
+    assert tg.resolve_grad_accum_steps(dataclasses.replace(cfg, grad_accum_steps=2), 1, budget) == 2
+    assert tg.resolve_ttt_rows(dataclasses.replace(cfg, ttt_batch_size=48), budget) == 48
+    if gib == 31.5 * 0.85:  # the 32-GB card: the choice the README states
+        assert (tg.resolve_grad_accum_steps(cfg, 1, budget), tg.resolve_ttt_rows(cfg, budget)) == (16, 32)
 
 
 def test_configure_inductor_turns_mix_order_reductions_off_unless_the_env_sets_them(monkeypatch):
