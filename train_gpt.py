@@ -587,11 +587,8 @@ def ttt_rows(cfg: Hyperparameters, rt: Runtime) -> int:
 
 
 def resolve_ttt_rows(cfg: Hyperparameters, budget: float) -> int:
-    rows = cfg.ttt_batch_size or 64
-    while not cfg.ttt_batch_size and rows > 8 and activation_bytes(
-            cfg, rows * cfg.eval_seq_len, TTT_ACT_BYTES) > budget > 0:
-        rows -= 8
-    return rows
+    fit = [r for r in range(64, 8, -8) if activation_bytes(cfg, r * cfg.eval_seq_len, TTT_ACT_BYTES) <= budget]
+    return cfg.ttt_batch_size or (fit + [8] if budget else [64])[0]
 
 
 def resolve_grad_accum_steps(cfg: Hyperparameters, world_size: int, budget: float = 0.0) -> int:
@@ -3344,8 +3341,8 @@ class Trainer:
         return loss.detach()
 
     def _capture(self, x: Tensor, y: Tensor) -> tuple:
-        """Capture fwd_bwd in the current mode at a step's first micro-batch (zero gradients). A mode the warmup did
-        not run compiles first on a side stream, its activations outside the pool."""
+        """Capture fwd_bwd in the current mode at a step's first micro-batch (zero gradients); a mode the warmup did
+        not run compiles first, on a side stream."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if any(p.grad is not None and p.grad.any() for p in params):
             raise RuntimeError("CUDA graph capture needs zero gradients (a step's first micro-batch)")
@@ -3396,14 +3393,14 @@ class Trainer:
                      "capture) inside the timed window")
         saved = copy.deepcopy(self.state(None, self.clock))
         plan = (modes[:1] * (cfg.warmup_steps - len(modes)) + modes)[:cfg.warmup_steps]
-        # every mode compiles without graphs, then all are captured into one pool: a mode's compile beside the
-        # pool of another held two activation blocks (42 GB reserved vs 21 at the defaults)
+        # all modes compile without graphs, then are captured into one pool: a compile beside another mode's pool
+        # held two activation blocks (42 GB reserved vs 21)
         graphed, self.graphed = self.graphed, False
         for i, self.mode in enumerate(plan):
             self.step(i, 1.0)
             self.log(f"warmup_step:{i + 1}/{cfg.warmup_steps}")
         self.warm, self.graphed = set(plan), graphed
-        if self.rt.device.type == "cuda":  # the activations a micro-batch holds: TRAIN_ACT_BYTES's measure
+        if self.rt.device.type == "cuda":  # TRAIN_ACT_BYTES's measure
             self.log(f"warmup_memory allocated:{torch.cuda.max_memory_allocated() // 2 ** 20}MiB")
         if graphed:
             torch.cuda.empty_cache()
@@ -3625,7 +3622,7 @@ def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[st
     for w in warnings:
         log(f"warning {w}")
     log(rt.describe())
-    if rt.budget:  # what the automatic GRAD_ACCUM_STEPS and TTT_BATCH_SIZE planned for (estimates, GiB)
+    if rt.budget:  # the estimates (GiB) behind GRAD_ACCUM_STEPS and TTT_BATCH_SIZE
         micro = cfg.train_batch_tokens // (rt.world_size * rt.grad_accum_steps)
         log("memory_plan budget:{:.1f} micro_batch_tokens:{} est:{:.1f} ttt_rows:{} est:{:.1f}".format(
             rt.budget / 2 ** 30, micro, activation_bytes(cfg, micro, TRAIN_ACT_BYTES) / 2 ** 30, ttt_rows(cfg, rt),
