@@ -181,7 +181,8 @@ class Hyperparameters:
     doc_isolation: bool = setting(True, "nothing crosses a BOS: block-diagonal attention, BigramHash (train and score)",
                                   model=True)
     attn_backend: str = setting("auto", "auto on CUDA: fa3 if importable, else varlen to train with DOC_ISOLATION, "
-                                "else SDPA cudnn; math on CPU", ("auto", "fa3", "flash", "cudnn", "math", "varlen"))
+                                "else SDPA cudnn; math on CPU; cudnn_fe: the cuDNN frontend's ragged SDPA",
+                                ("auto", "fa3", "flash", "cudnn", "math", "varlen", "cudnn_fe"))
     kernels: str = setting("auto", "q/k norm+RoPE, XSA, softcap CE: auto = triton on CUDA, torch ops on CPU (triton "
                            "there needs TRITON_INTERPRET=1)", ("auto", "triton", "torch"))
     # --- optimizer
@@ -524,7 +525,8 @@ def parallel_positions(cfg: Hyperparameters, looping: bool) -> list[bool]:
 
 # ===== Runtime: the "auto" choices resolved once, distributed helpers, logging, clock =====
 
-SEGMENT_BACKENDS = ("varlen", "fa3")  # DOC_ISOLATION by document_segments' cu_seqlens instead of a mask
+SEGMENT_BACKENDS = ("varlen", "fa3", "cudnn_fe")  # DOC_ISOLATION by document_segments' cu_seqlens instead of a mask
+RAGGED = ("varlen", "cudnn_fe")  # DOC_ISOLATION's alone; their rows of one document run SDPA's cuDNN
 
 
 @dataclass(frozen=True)
@@ -614,24 +616,26 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
         raise RuntimeError("DEVICE=cuda but CUDA is not available")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     for name, value in (("ATTN_BACKEND", cfg.attn_backend), ("CUDA_GRAPHS", cfg.cuda_graphs)):
-        if not cuda and value in ("fa3", "flash", "cudnn", "varlen", "1"):
+        if not cuda and value in ("fa3", "flash", "cudnn", "varlen", "cudnn_fe", "1"):
             raise ValueError(f"{name}={value} needs CUDA")
     if cfg.kernels == "triton" and triton is None:
         raise ValueError("KERNELS=triton needs the triton package")
     if cfg.kernels == "triton" and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("KERNELS=triton off CUDA needs TRITON_INTERPRET=1 (Triton's interpreter)")
+    import importlib.util
+    if cfg.attn_backend == "cudnn_fe" and importlib.util.find_spec("cudnn") is None:
+        raise ValueError("ATTN_BACKEND=cudnn_fe needs nvidia-cudnn-frontend: pip install nvidia-cudnn-frontend")
     if cfg.attn_backend != "auto":
         attn = cfg.attn_backend
     else:  # cuDNN SDPA (native GQA) ran fwd+bwd in 2.40 ms vs 3.71 for SDPA flash at the record micro-batch (H200)
-        import importlib.util
         fa3 = importlib.util.find_spec("flash_attn_interface")
         attn = ("fa3" if fa3 else "varlen" if cfg.doc_isolation and not cfg.eval_only else "cudnn") if cuda else "math"
     # DOC_ISOLATION's rows that cross documents need a mask (varlen's sized by TrainLoader); scoring rows do not
     if cfg.doc_isolation and not cfg.eval_only and attn not in ("math", *SEGMENT_BACKENDS):
-        raise ValueError(f"DOC_ISOLATION=1 trains on ATTN_BACKEND=math, varlen or fa3 (the backend here is {attn}); "
-                         "EVAL_ONLY scoring runs on any")
-    if attn == "varlen" and not cfg.doc_isolation:  # and not chosen by auto: not yet measured
-        raise ValueError("ATTN_BACKEND=varlen is DOC_ISOLATION=1's backend")
+        raise ValueError(f"DOC_ISOLATION=1 trains on ATTN_BACKEND=math, {', '.join(SEGMENT_BACKENDS)} (the backend "
+                         f"here is {attn}); EVAL_ONLY scoring runs on any")
+    if attn in RAGGED and not cfg.doc_isolation:  # and not chosen by auto: not yet measured
+        raise ValueError(f"ATTN_BACKEND={attn} is DOC_ISOLATION=1's backend")
     kernels = cfg.kernels if cfg.kernels != "auto" else ("triton" if cuda and triton is not None else "torch")
     configure_inductor()
     if cuda:
@@ -639,7 +643,7 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         # one SDPA kernel, so a silent fallback cannot change speed
         for kind in ("flash", "cudnn", "mem_efficient", "math"):  # varlen's rows of one document: cuDNN
-            getattr(torch.backends.cuda, f"enable_{kind}_sdp")(kind == {"varlen": "cudnn"}.get(attn, attn))
+            getattr(torch.backends.cuda, f"enable_{kind}_sdp")(kind == ("cudnn" if attn in RAGGED else attn))
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl", device_id=device) if cuda else dist.init_process_group("gloo")
     auto_on, budget = {"auto": cuda, "1": True, "0": False}, memory_budget(device)
@@ -1406,6 +1410,11 @@ def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str, mask
             y = flash_attn_varlen_func(q_BTHD.reshape(B * T, H, D), k_BTKD.reshape(B * T, K, D),
                                        v_BTKD.reshape(B * T, K, D), mask, mask, T, T, causal=True)
             return (y[0] if isinstance(y, tuple) else y).view(B, T, H, D)
+        if backend == "cudnn_fe":  # nvidia-cudnn-frontend's op (1.35x varlen's kernel fwd+bwd), GQA unrepeated
+            import cudnn  # return_lse: its differentiable form
+            return cudnn.sdpa_torch(q_BTHD.reshape(B * T, H, D), k_BTKD.reshape(B * T, K, D), v_BTKD.reshape(
+                B * T, K, D), is_causal=True, cu_seqlens_q=mask, cu_seqlens_kv=mask, max_seqlen_q=T, max_seqlen_kv=T,
+                return_lse=True)[0].view(B, T, H, D)
         from torch.nn.attention.varlen import varlen_attn
         k, v = (t.repeat_interleave(H // K, 2).reshape(B * T, H, D) for t in (k_BTKD, v_BTKD))
         return varlen_attn(q_BTHD.reshape(B * T, H, D), k, v, mask, mask, T, T, window_size=(-1, 0)).view(B, T, H, D)
@@ -3395,13 +3404,16 @@ class Trainer:
         plan = (modes[:1] * (cfg.warmup_steps - len(modes)) + modes)[:cfg.warmup_steps]
         # all modes compile without graphs, then are captured into one pool: a compile beside another mode's pool
         # held two activation blocks (42 GB reserved vs 21)
-        graphed, self.graphed = self.graphed, False
+        graphed, self.graphed, cuda = self.graphed, False, self.rt.device.type == "cuda"
+        if cuda:  # TRAIN_ACT_BYTES's measure: the peak over what the steps start from
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated() // 2 ** 20
         for i, self.mode in enumerate(plan):
             self.step(i, 1.0)
             self.log(f"warmup_step:{i + 1}/{cfg.warmup_steps}")
         self.warm, self.graphed = set(plan), graphed
-        if self.rt.device.type == "cuda":  # TRAIN_ACT_BYTES's measure
-            self.log(f"warmup_memory allocated:{torch.cuda.max_memory_allocated() // 2 ** 20}MiB")
+        if cuda:
+            self.log(f"warmup_memory before:{before}MiB peak:{torch.cuda.max_memory_allocated() // 2 ** 20}MiB")
         if graphed:
             torch.cuda.empty_cache()
             x, y = self.loader.next_batch()[0]

@@ -264,10 +264,13 @@ def test_doc_isolation_refuses_the_smear_without_its_bos_fix_and_gpu_backends(mo
     tiny = dict(NUM_LAYERS=2, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=1, VOCAB_SIZE=64, VE_LAYERS="1", DOC_ISOLATION=1)
     assert tg.init_runtime(make_cfg(**tiny, DEVICE="cpu"), {}).attn_backend == "math"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the check comes before any CUDA call
-    with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math, varlen or fa3 .* cudnn"):
+    with pytest.raises(ValueError, match="DOC_ISOLATION=1 trains on ATTN_BACKEND=math, varlen, fa3, cudnn_fe .* cudnn"):
         tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", ATTN_BACKEND="cudnn"), {})
     with pytest.raises(ValueError, match="ATTN_BACKEND=varlen is DOC_ISOLATION=1's backend"):
         tg.init_runtime(make_cfg(**(tiny | dict(DOC_ISOLATION=0)), DEVICE="cuda", KERNELS="torch", ATTN_BACKEND="varlen"), {})
+    if importlib.util.find_spec("cudnn") is None:  # the frontend not installed: said at the start
+        with pytest.raises(ValueError, match="ATTN_BACKEND=cudnn_fe needs nvidia-cudnn-frontend"):
+            tg.init_runtime(make_cfg(**tiny, DEVICE="cuda", KERNELS="torch", ATTN_BACKEND="cudnn_fe"), {})
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)  # and keep this process's SDPA backends
     monkeypatch.setattr(tg, "memory_budget", lambda d: 0.0)  # no device to ask
     for kind in ("flash", "cudnn", "mem_efficient", "math"):
@@ -621,6 +624,25 @@ def test_fa3_varlen_equals_the_document_mask(monkeypatch, fa3_standin, name):
     for c in calls:
         assert c["q"].shape == (3 * 24, cfg.num_heads, cfg.head_dim) and c["causal"] is True
         assert c["k"].shape == c["v"].shape == (3 * 24, cfg.num_kv_heads, cfg.head_dim)  # GQA: not repeated
+        assert torch.equal(c["cu_q"], tg.document_segments(ids)) and torch.equal(c["cu_k"], c["cu_q"])
+        assert c["max_q"] == c["max_k"] == 24
+
+
+@pytest.mark.parametrize("name", ["full", "gates"])
+def test_cudnn_frontend_equals_the_document_mask(monkeypatch, name):
+    """ATTN_BACKEND=cudnn_fe: the cuDNN frontend's varlen op with our padded cu_seqlens and unrepeated K/V, its
+    differentiable form (return_lse) unpacked; logits and gradients equal the math backend's masked SDPA."""
+    spec = importlib.util.spec_from_file_location("cudnn", ROOT / "tools" / "standin" / "cudnn.py")
+    standin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(standin)
+    monkeypatch.setitem(sys.modules, "cudnn", standin)
+    monkeypatch.setattr(tg, "DOC_BOUNDARY_TOKENS", 4)
+    model, ids = assert_backend_equals_the_document_mask(name, "cudnn_fe")
+    cfg = model.cfg
+    assert len(standin.CALLS) == len(tg.layer_order(cfg, True))
+    for c in standin.CALLS:
+        assert c["q"].shape == (3 * 24, cfg.num_heads, cfg.head_dim) and c["causal"] and c["return_lse"]
+        assert c["k"].shape == c["v"].shape == (3 * 24, cfg.num_kv_heads, cfg.head_dim)
         assert torch.equal(c["cu_q"], tg.document_segments(ids)) and torch.equal(c["cu_k"], c["cu_q"])
         assert c["max_q"] == c["max_k"] == 24
 
