@@ -300,7 +300,8 @@ class Hyperparameters:
     token_boost: float = setting(2.625, "nats added to the hinted token's logit", NON_NEGATIVE,
                                  on="ngram_tilt_enabled")
     ngram_update_docs: int = setting(512, "documents between the counts' updates (edges of lora's order, as the "
-                                     "phases')", POSITIVE, on="ngram_tilt_enabled")
+                                     "phases': a multiple of WORLD_SIZE x TTT rows keeps the batches full)", POSITIVE,
+                                     on="ngram_tilt_enabled")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> tuple["Hyperparameters", list[str]]:
