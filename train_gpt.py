@@ -59,7 +59,8 @@ DROPPED_SETTINGS = {"SWA_ENABLED", "SWA_EVERY", "DTG_ENABLED", "LATE_QAT", "QAT_
                     "ATTN_OUT_GATE_ENABLED",  # ours until 2026-11-26: the dense form of the sparse gate
                     # the reference's full-parameter TTT (our TTT_MODE=sgd until 2026-11-28): lora gains 8x more
                     "TTT_LR", "TTT_EPOCHS", "TTT_CHUNK_TOKENS", "TTT_FREEZE_BLOCKS", "TTT_MOMENTUM", "TTT_BATCH_SEQS",
-                    "TTT_GRAD_CLIP"}
+                    "TTT_GRAD_CLIP",
+                    "TTT_WARM_START_A"}  # ours until 2026-11-28: -0.0004, under twice the seed spread
 DROPPED_PREFIXES = ("LAWA_", "MTP_")
 # Environment variables of launchers and libraries that share a word with our fields.
 FOREIGN_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP_", "MASTER_", "LOCAL_", "GROUP_", "ROLE_",
@@ -268,9 +269,6 @@ class Hyperparameters:
     ttt_short_score_first_steps: str = setting("256:8,2000:24", "smaller chunks for short documents: LEN:CHUNK,... "
                                                "(a document of at most LEN targets: CHUNK; the records'); empty = off",
                                                on="ttt_mode=lora")
-    ttt_warm_start_a: bool = setting(False, "keep the adapters' A from batch to batch (B and AdamW restart; A goes "
-                                     "back to its initial draw after each phase): a document no longer scores as if "
-                                     "alone", on="ttt_mode=lora")
     ttt_q_lora: bool = setting(True, "adapters on q (the head's is always on)", on="ttt_mode=lora")
     ttt_k_lora: bool = setting(True, "adapters on k", on="ttt_mode=lora")
     ttt_v_lora: bool = setting(True, "adapters on v", on="ttt_mode=lora")
@@ -1523,12 +1521,12 @@ class Block(nn.Module):
 class Adapter(nn.Module):
     """A test-time adapter, cls(cfg, rows, device) (DocLoRA); row b of a call is one document's. deltas: what to add
     to each output of `names` at position s of the layer order, from their input x (the attention's q, k, v, o; the
-    MLP's "mlp"; "head", s = 0), or 0. reset(keep): the model as it was (keep: what TTT_WARM_START_A carries)."""
+    MLP's "mlp"; "head", s = 0), or 0. reset(): the model as it was."""
 
     def deltas(self, names: tuple[str, ...], s: int, x_BTI: Tensor) -> list[Tensor | int]:
         raise NotImplementedError
 
-    def reset(self, keep: bool = False) -> None:
+    def reset(self) -> None:
         raise NotImplementedError
 
 
@@ -1564,10 +1562,9 @@ class DocLoRA(Adapter):
         self.reset()
 
     @torch.no_grad()
-    def reset(self, keep: bool = False) -> None:
+    def reset(self) -> None:
         for a, b, a0 in zip(self.A, self.B, self.A0):
-            if not keep:
-                a.copy_(a0.expand_as(a))
+            a.copy_(a0.expand_as(a))
             b.zero_()
 
     def deltas(self, names: tuple[str, ...], s: int, x_BTI: Tensor) -> list[Tensor | int]:
@@ -2401,13 +2398,13 @@ class NGramTable:
 
 class LoraPlan(NamedTuple):
     """lora TTT's schedule: chunks and span of each document, the documents longest first, the phases' ends, this
-    rank's steps (documents, how many of `order` global SGD then trains on, whether the adapter keeps A, where in
-    `order` its segment starts: the n-gram counts hold the documents before it)."""
+    rank's steps (documents, how many of `order` global SGD then trains on, where in `order` its segment starts: the
+    n-gram counts hold the documents before it)."""
     chunks: list[list[tuple[int, int, int]]]
     spans: list[tuple[int, int]]
     order: list[int]
     phases: list[int]
-    steps: list[tuple[list[int], int, bool, int]]
+    steps: list[tuple[list[int], int, int]]
 
 
 def lora_plan(cfg: Hyperparameters, rt: Runtime, scorer: Scorer) -> LoraPlan:
@@ -2424,13 +2421,12 @@ def lora_plan(cfg: Hyperparameters, rt: Runtime, scorer: Scorer) -> LoraPlan:
     prefix, n_phases = min(cfg.phased_ttt_prefix_docs, len(chunks)), cfg.phased_ttt_num_phases
     phases = sorted({prefix * k // n_phases for k in range(1, n_phases + 1)} - {0, len(chunks)})
     tilt = set(range(cfg.ngram_update_docs, len(chunks), cfg.ngram_update_docs)) if cfg.ngram_tilt_enabled else set()
-    edges, steps, fresh = sorted({0, len(chunks)} | set(phases) | tilt), [], True  # fresh: A drawn anew (not carried)
+    edges, steps = sorted({0, len(chunks)} | set(phases) | tilt), []
     for a, b in zip(edges, edges[1:]):
         mine, n = order[a:b][rt.rank::rt.world_size], -(-(b - a) // (rt.world_size * rows))
         for j in range(n):
             ids, train_upto = mine[j * rows: (j + 1) * rows], b if j == n - 1 and b in phases else 0
-            steps.append((ids, train_upto, cfg.ttt_warm_start_a and not fresh, a))
-            fresh = bool(train_upto) or (fresh and not ids)  # global SGD changed the model: A restarts
+            steps.append((ids, train_upto, a))
     return LoraPlan(chunks, list(zip(starts, ends)), order, phases, steps)
 
 
@@ -2451,7 +2447,7 @@ def lora_warmup(cfg: Hyperparameters, rt: Runtime, model: GPT, fn: Callable, ada
 
 
 def lora_batch(cfg: Hyperparameters, rt: Runtime, scorer: Scorer, fn: Callable, adapter: Adapter,
-               batch: list[list[tuple[int, int, int]]], keep: bool, probe: dict | None,
+               batch: list[list[tuple[int, int, int]]], probe: dict | None,
                ngram: tuple | None = None) -> Tensor:
     """One lockstep batch (most chunks first): step c scores chunk c of each document still going, then takes
     TTT_GRAD_STEPS AdamW steps on each row's mean chunk NLL (none on a last chunk); returns the sums."""
@@ -2463,7 +2459,7 @@ def lora_batch(cfg: Hyperparameters, rt: Runtime, scorer: Scorer, fn: Callable, 
         plan[:, r, 4] = ngram[1][r] if ngram else 0
     if rt.device.type == "cuda":  # pinned, so the copy does not wait for the GPU to drain
         plan = plan.pin_memory().to(rt.device, non_blocking=True)
-    adapter.reset(keep)
+    adapter.reset()
     opt = torch.optim.AdamW(adapter.parameters(), lr=cfg.ttt_lora_lr, betas=(0.0, 0.99), eps=1e-10,
                             weight_decay=cfg.ttt_weight_decay, fused=rt.device.type == "cuda")
     for c in range(len(batch[0])):
@@ -2499,14 +2495,14 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, prob
     adapter, fn = (adapter_cls or DocLoRA)(cfg, ttt_rows(cfg, rt), rt.device), scorer.logits_fn(model)
     ngram = NGramTable(cfg, scorer.tokens) if cfg.ngram_tilt_enabled else None
 
-    def step(s: tuple[list[int], int, bool, int]) -> Tensor:
-        ids, train_upto, keep, seg = s
+    def step(s: tuple[list[int], int, int]) -> Tensor:
+        ids, train_upto, seg = s
         sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
         if ngram is not None and seg > ngram.absorbed:  # every document before this segment is scored, on every rank
             ngram.absorb([plan.spans[i] for i in plan.order[ngram.absorbed:seg]], seg)
         if ids:  # most chunks first: the documents still going are the first rows
             ids = sorted(ids, key=lambda i: len(plan.chunks[i]), reverse=True)
-            sums = lora_batch(cfg, rt, scorer, fn, adapter, [plan.chunks[i] for i in ids], keep, probe,
+            sums = lora_batch(cfg, rt, scorer, fn, adapter, [plan.chunks[i] for i in ids], probe,
                               None if ngram is None else (ngram, [plan.spans[i][0] for i in ids]))
         if train_upto:
             global_sgd(cfg, rt, model, scorer, fn, [plan.spans[i] for i in plan.order[:train_upto]])

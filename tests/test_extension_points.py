@@ -142,7 +142,7 @@ class HeadBias(tg.Adapter):
         HeadBias.built.append(self)
 
     @torch.no_grad()
-    def reset(self, keep=False):
+    def reset(self):
         self.bias.zero_()
 
     def deltas(self, names, s, x_BTI):

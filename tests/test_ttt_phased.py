@@ -40,9 +40,9 @@ def observed_run(cfg, tokens, monkeypatch, rank: int = 0, world_size: int = 1):
         calls.append(list(spans))
         return real_sgd(cfg_, rt, model, scorer, fn, spans)
 
-    def reset(self, keep=False):
+    def reset(self):
         events.append(~probe["nll"].isnan())
-        return real_reset(self, keep)
+        return real_reset(self)
     monkeypatch.setattr(tg, "global_sgd", sgd)
     monkeypatch.setattr(tg.DocLoRA, "reset", reset)
     scorer = make_scorer(cfg, tokens, make_luts(), rank=rank, world_size=world_size)
@@ -87,34 +87,6 @@ def test_phases_train_on_every_scored_prefix_document_and_move_later_scores(monk
     assert not torch.equal(na[phase == 1], nb[phase == 1]) and not torch.equal(na[phase == 2], nb[phase == 2])
     plain = observed_run(lora_cfg(ttt_batch_size=2), make_stream(270), monkeypatch)[1]
     assert torch.equal(nll[phase == 0], plain[phase == 0]) and not torch.allclose(nll[phase == 2], plain[phase == 2])
-
-
-def test_warm_started_a_is_causal_in_batch_order_and_carries_across_batches(monkeypatch):
-    """TTT_WARM_START_A=1: A is no longer redrawn per batch, so a document's score depends on the documents of the
-    rank's earlier batches (no longer as if alone), still never on a token scored later."""
-    cfg = lora_cfg(ttt_batch_size=2, ttt_warm_start_a=True)
-    for p in (190, 100, 30):
-        na, nb, event = changed_only_after(cfg, p, monkeypatch)
-    na, nb, event = changed_only_after(cfg, 200, monkeypatch)  # doc 7: the first batch
-    later = event > event[199]
-    assert not torch.equal(na[later], nb[later])
-    off = changed_only_after(lora_cfg(ttt_batch_size=2), 200, monkeypatch)
-    assert torch.equal(off[0][later], off[1][later])  # without it, other documents never move
-
-
-def test_a_is_reset_after_each_phase(monkeypatch):
-    """With phases and warm A, every batch that starts a phase resets A to its initial draw (a fresh DocLoRA's)."""
-    cfg, seen = lora_cfg(**PHASED, ttt_warm_start_a=True), []
-    real = tg.DocLoRA.reset
-
-    def reset(self, keep=False):
-        seen.append(keep)
-        return real(self, keep)
-    monkeypatch.setattr(tg.DocLoRA, "reset", reset)
-    scorer = make_scorer(cfg, make_stream(270), make_luts())
-    tg.lora_ttt(cfg, scorer.rt, model_for(cfg), scorer)
-    # init, then 6 batches: 3 phases of 3 documents, 2 batches each: A fresh at each phase's first batch
-    assert seen == [False, False, True, False, True, False, True]
 
 
 def _phased_on_rank(rank: int, world_size: int, tokens: list[int], settings: dict | None = None):
