@@ -479,12 +479,14 @@ def adopt_settings(cfg: Hyperparameters, stored: dict, names: tuple[str, ...], e
                    source: str) -> tuple[Hyperparameters, list[str]]:
     """cfg with the settings `names` of an artifact or checkpoint (`stored`); one the environment sets (`explicit`)
     keeps its value, with a warning, or an error for a model setting (another model). Returns (config, warnings)."""
+    dropped = sorted(n for n in stored if n.upper() in DROPPED_SETTINGS)
     stored = {n: v for n, v in ADDED_MODEL_SETTINGS.items() if n in names} | stored
+    stored = {n: v for n, v in stored.items() if n not in dropped}
     unknown, missing = set(stored) - set(SETTINGS), set(names) - set(stored)
     if unknown or missing:
         raise ValueError(f"{source} was made by another version of train_gpt.py (settings unknown here: "
                          f"{sorted(unknown)}, missing: {sorted(missing)})")
-    warnings = []
+    warnings = [f"{source} holds {n.upper()}, a setting this version dropped: ignored" for n in dropped]
     for n in (n for n in names if n in explicit and getattr(cfg, n) != stored[n]):
         msg = f"{n.upper()}={getattr(cfg, n)} but {source} was made with {n.upper()}={stored[n]}"
         if n in MODEL_SETTINGS:
@@ -536,7 +538,7 @@ class Runtime:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
-    attn_backend: str = "math"  # fa3 | flash | cudnn | math | varlen
+    attn_backend: str = "math"  # fa3 | flash | cudnn | math | varlen | cudnn_fe
     kernels: str = "torch"  # triton | torch: who runs q/k norm+RoPE, XSA and the training loss
     compile_enabled: bool = False
     cuda_graphs: bool = False
@@ -568,9 +570,9 @@ def memory(device: torch.device) -> str:
         free, torch.cuda.memory_reserved(device), cap)))
 
 
-# Activation bytes per (token x layer pass x model width), from peaks measured on an H200 at the defaults: a training
-# micro-batch (compiled; its CUDA graph's pool is this block) and a TTT row (54,210 MiB at 64 rows of 2,048)
-TRAIN_ACT_BYTES, TTT_ACT_BYTES = 36, 50
+# Activation bytes per (token x layer pass x width), from peaks on an H200 at the defaults: a training micro-batch
+# (compiled; its CUDA graph's pool) and a TTT row (60,094 MiB reserved at 64 rows of 2,048)
+TRAIN_ACT_BYTES, TTT_ACT_BYTES = 36, 55
 MEMORY_USE = 0.85  # of what the process may use; the rest: weights, optimizer states, the allocator's fragmentation
 
 
@@ -622,8 +624,10 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
     if cfg.kernels == "triton" and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("KERNELS=triton off CUDA needs TRITON_INTERPRET=1 (Triton's interpreter)")
     import importlib.util
-    if cfg.attn_backend == "cudnn_fe" and importlib.util.find_spec("cudnn") is None:
-        raise ValueError("ATTN_BACKEND=cudnn_fe needs nvidia-cudnn-frontend: pip install nvidia-cudnn-frontend")
+    if cfg.attn_backend == "cudnn_fe" and not hasattr(importlib.util.find_spec("cudnn") and
+                                                       importlib.import_module("cudnn"), "sdpa_torch"):
+        raise ValueError("ATTN_BACKEND=cudnn_fe needs nvidia-cudnn-frontend with its torch op (cudnn.sdpa_torch): "
+                         "pip install nvidia-cudnn-frontend")
     if cfg.attn_backend != "auto":
         attn = cfg.attn_backend
     else:  # cuDNN SDPA (native GQA) ran fwd+bwd in 2.40 ms vs 3.71 for SDPA flash at the record micro-batch (H200)
@@ -641,7 +645,7 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         # one SDPA kernel, so a silent fallback cannot change speed
-        for kind in ("flash", "cudnn", "mem_efficient", "math"):  # varlen's rows of one document: cuDNN
+        for kind in ("flash", "cudnn", "mem_efficient", "math"):  # RAGGED's rows of one document: cuDNN
             getattr(torch.backends.cuda, f"enable_{kind}_sdp")(kind == ("cudnn" if attn in RAGGED else attn))
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl", device_id=device) if cuda else dist.init_process_group("gloo")
@@ -1400,7 +1404,7 @@ def document_segments(ids_BT: Tensor, span: Tensor | None = None) -> Tensor:
 
 
 def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str, mask: Tensor | None = None) -> Tensor:
-    """Causal attention; with a document_mask (SDPA) or document_segments (varlen, fa3), within each document.
+    """Causal attention; with a document_mask (SDPA) or document_segments (SEGMENT_BACKENDS), within each document.
     varlen takes K/V repeated: unrepeated (FlashAttention-2's own GQA) the step was 0.8% slower."""
     if mask is not None and backend in SEGMENT_BACKENDS:
         (B, T, H, D), K = q_BTHD.shape, k_BTKD.size(2)
@@ -1410,10 +1414,10 @@ def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str, mask
                                        v_BTKD.reshape(B * T, K, D), mask, mask, T, T, causal=True)
             return (y[0] if isinstance(y, tuple) else y).view(B, T, H, D)
         if backend == "cudnn_fe":  # nvidia-cudnn-frontend's op (1.35x varlen's kernel fwd+bwd), GQA unrepeated
-            import cudnn  # return_lse: its differentiable form
-            return cudnn.sdpa_torch(q_BTHD.reshape(B * T, H, D), k_BTKD.reshape(B * T, K, D), v_BTKD.reshape(
-                B * T, K, D), is_causal=True, cu_seqlens_q=mask, cu_seqlens_kv=mask, max_seqlen_q=T, max_seqlen_kv=T,
-                return_lse=True)[0].view(B, T, H, D)
+            import cudnn  # return_lse: its differentiable form; packed (v: a view of the fused q|k|v)
+            q, k, v = (t.reshape(B * T, -1, D).contiguous() for t in (q_BTHD, k_BTKD, v_BTKD))
+            return cudnn.sdpa_torch(q, k, v, is_causal=True, cu_seqlens_q=mask, cu_seqlens_kv=mask, max_seqlen_q=T,
+                                    max_seqlen_kv=T, return_lse=True)[0].view(B, T, H, D)
         from torch.nn.attention.varlen import varlen_attn
         k, v = (t.repeat_interleave(H // K, 2).reshape(B * T, H, D) for t in (k_BTKD, v_BTKD))
         return varlen_attn(q_BTHD.reshape(B * T, H, D), k, v, mask, mask, T, T, window_size=(-1, 0)).view(B, T, H, D)
@@ -2409,7 +2413,7 @@ class LoraPlan(NamedTuple):
 
 def lora_plan(cfg: Hyperparameters, rt: Runtime, scorer: Scorer) -> LoraPlan:
     """Per-document windows cut into chunks that keep their context; documents longest first (the records') in
-    lockstep batches of TTT_BATCH_SIZE, as many on every rank."""
+    lockstep batches of ttt_rows, as many on every rank."""
     starts = scorer.doc_starts(per_doc=True)  # an adapter learns one document: its windows are the document's own
     ends, rows = starts[1:] + [scorer.tokens.numel() - 1], ttt_rows(cfg, rt)
     chunks: list[list[tuple[int, int, int]]] = [[] for _ in starts]
@@ -3347,8 +3351,8 @@ class Trainer:
         return loss.detach()
 
     def _capture(self, x: Tensor, y: Tensor) -> tuple:
-        """Capture fwd_bwd in the current mode at a step's first micro-batch (zero gradients); a mode the warmup did
-        not run compiles first, on a side stream."""
+        """Capture fwd_bwd in the current mode (zero gradients: a step's first micro-batch); a mode the warmup did not
+        run compiles first, on a side stream."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if any(p.grad is not None and p.grad.any() for p in params):
             raise RuntimeError("CUDA graph capture needs zero gradients (a step's first micro-batch)")
@@ -3389,8 +3393,8 @@ class Trainer:
         return loss_sum / self.rt.grad_accum_steps
 
     def warmup(self) -> None:
-        """Compile on real steps, the last ones the later variants (no recompile in the timed window), then restore
-        weights, optimizer state and data position exactly."""
+        """Compile on real steps, the last ones the later variants (no recompile in the timed window), capture their
+        CUDA graphs, then restore weights, optimizer state and data position exactly."""
         cfg, modes = self.cfg, self.modes()
         if cfg.warmup_steps <= 0:
             return
@@ -3402,7 +3406,7 @@ class Trainer:
         # all modes compile without graphs, then are captured into one pool: a compile beside another mode's pool
         # held two activation blocks (42 GB reserved vs 21)
         graphed, self.graphed, cuda = self.graphed, False, self.rt.device.type == "cuda"
-        if cuda:  # TRAIN_ACT_BYTES's measure: the peak over what the steps start from
+        if cuda:  # TRAIN_ACT_BYTES's measure (step 1 adds the optimizer's states)
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated() // 2 ** 20
         for i, self.mode in enumerate(plan):
@@ -3414,8 +3418,9 @@ class Trainer:
         if graphed:
             torch.cuda.empty_cache()
             x, y = self.loader.next_batch()[0]
-            for self.mode in dict.fromkeys(plan):
-                self._capture(x, y)
+            for self.mode in dict.fromkeys(plan):  # each replayed once here: its upload is not the timed loop's
+                self._capture(x, y)[0].replay()
+                self.opt.zero_grad()
         self.load(saved, None)
 
     def mean_loss(self, loss: Tensor) -> float:
@@ -3632,10 +3637,15 @@ def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[st
         log(f"warning {w}")
     log(rt.describe())
     if rt.budget:  # the estimates (GiB) behind GRAD_ACCUM_STEPS and TTT_BATCH_SIZE
-        micro = cfg.train_batch_tokens // (rt.world_size * rt.grad_accum_steps)
-        log("memory_plan budget:{:.1f} micro_batch_tokens:{} est:{:.1f} ttt_rows:{} est:{:.1f}".format(
-            rt.budget / 2 ** 30, micro, activation_bytes(cfg, micro, TRAIN_ACT_BYTES) / 2 ** 30, ttt_rows(cfg, rt),
-            activation_bytes(cfg, ttt_rows(cfg, rt) * cfg.eval_seq_len, TTT_ACT_BYTES) / 2 ** 30))
+        micro, G = cfg.train_batch_tokens // (rt.world_size * rt.grad_accum_steps), 2 ** 30
+        est = (activation_bytes(cfg, micro, TRAIN_ACT_BYTES), activation_bytes(
+            cfg, ttt_rows(cfg, rt) * cfg.eval_seq_len, TTT_ACT_BYTES))
+        log(f"memory_plan budget:{rt.budget / G:.1f} micro_batch_tokens:{micro} est:{est[0] / G:.1f} ttt_rows:"
+            f"{ttt_rows(cfg, rt)} est:{est[1] / G:.1f}")
+        for advice, e in zip(("raise GRAD_ACCUM_STEPS (or shrink the model)", "lower TTT_BATCH_SIZE"), est):
+            if e > rt.budget:
+                log(f"warning memory_plan: {e / G:.1f} GiB estimated over the {rt.budget / G:.1f} planned for: "
+                    f"expect out of memory; {advice}")
     if rt.kernels == "triton" and cfg.vocab_size > CE_MAX_VOCAB:
         log(f"kernels: the training loss runs as torch ops (VOCAB_SIZE {cfg.vocab_size} > {CE_MAX_VOCAB})")
     log(f"outputs log:{log.path} artifact:{cfg.eval_only or cfg.artifact_path}"

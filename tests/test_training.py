@@ -104,6 +104,46 @@ def test_warmup_compiles_each_mode_the_timed_loop_will_run(dataset, tokenizer_pa
     assert any("will compile (and capture) inside the timed window" in x for x in lines) == (steps < 3)
 
 
+def test_graphed_warmup_compiles_every_mode_eagerly_then_captures_each_once(dataset, tokenizer_path, monkeypatch):
+    """CUDA graphs on: every warmup step runs without graphs (compiling each mode), then each mode is captured once,
+    in plan order, from zero gradients, and replayed once (its upload), into one pool; then the state is restored
+    exactly. The capture itself is the GPU's (test_cuda_graphs_train_exactly_as_eager): here a recording stand-in."""
+    tr = make_trainer(dataset, tokenizer_path, WARMUP_STEPS=4, LATE_QAT_THRESHOLD=0.15, ENABLE_LOOPING_AT=0.35, **LOOPS)
+    tr.graphed = tr.opt.keep_grads = True
+    weights, position = {k: v.clone() for k, v in tr.model.state_dict().items()}, dict(tr.loader.state_dict())
+    events, real_step = [], tg.Trainer.step
+
+    def step(self, i, lr_scale):
+        events.append(("step", self.mode, self.graphed))
+        return real_step(self, i, lr_scale)
+
+    class Graph:
+        def __init__(self, mode):
+            self.mode = mode
+
+        def replay(self):  # as a replay does: gradients accumulate
+            events.append(("replay", self.mode))
+            for p in tr.model.parameters():
+                p.grad.add_(1.0)
+
+    def capture(self, x, y):
+        zero = all(p.grad is None or not p.grad.any() for p in self.model.parameters())
+        events.append(("capture", self.mode, zero, tuple(x.shape)))
+        self.graphs[self.mode] = (Graph(self.mode), x, y, None)
+        return self.graphs[self.mode]
+    monkeypatch.setattr(tg.Trainer, "step", step)
+    monkeypatch.setattr(tg.Trainer, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append(("empty_cache",)))
+    tr.warmup()
+    modes = [(False, 0), (False, 0), (True, 0), (True, 31)]
+    shape = (tr.loader.seqs_per_micro, tr.loader.seq_len)
+    assert events == ([("step", m, False) for m in modes] + [("empty_cache",)]
+                      + [e for m in dict.fromkeys(modes) for e in (("capture", m, True, shape), ("replay", m))])
+    assert tr.graphed and tr.warm == set(modes) and sorted(tr.graphs) == sorted(set(modes))
+    assert_same(dict(tr.model.state_dict()), weights, "weights")
+    assert tr.loader.state_dict() == position
+
+
 def test_training_after_warmup_equals_training_without(dataset, tokenizer_path):
     a = make_trainer(dataset, tokenizer_path, WARMUP_STEPS=3)
     b = make_trainer(dataset, tokenizer_path, WARMUP_STEPS=3)

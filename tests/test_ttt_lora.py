@@ -166,6 +166,24 @@ def test_each_document_scores_as_if_alone(batch):
         torch.testing.assert_close(together[s:e], alone, rtol=1e-6, atol=0)  # the fp32 cross entropy: 1 ulp
 
 
+def test_automatic_rows_are_the_runtimes(monkeypatch):
+    """TTT_BATCH_SIZE=0 takes the rows the memory plan chose (Runtime.ttt_rows): the same plan, adapters and scores
+    as that many rows set by hand; a set TTT_BATCH_SIZE wins over the plan's."""
+    tokens, rows = make_stream(270), []
+    real = tg.DocLoRA.__init__
+
+    def init(self, cfg, n, device):
+        rows.append(n)
+        real(self, cfg, n, device)
+    monkeypatch.setattr(tg.DocLoRA, "__init__", init)
+    scores = []
+    for batch, planned in ((0, 3), (3, 64), (3, 7)):
+        cfg = lora_cfg(ttt_batch_size=batch)
+        scorer = make_scorer(cfg, tokens, make_luts())
+        scores.append(tg.lora_ttt(cfg, dataclasses.replace(scorer.rt, ttt_rows=planned), model_for(cfg), scorer).bpb)
+    assert rows == [3, 3, 3] and scores[0] == scores[1] == scores[2]
+
+
 def test_one_compiled_graph_serves_every_rows_and_length(monkeypatch):
     """Compiled (aot_eager here), lora TTT's steps of 8 or 16 rows and 8 to 32 tokens all run one graph, made before
     the loop, and score what the uncompiled run scores."""

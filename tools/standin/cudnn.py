@@ -12,6 +12,7 @@ def sdpa_torch(q, k, v, *, is_causal=False, cu_seqlens_q=None, cu_seqlens_kv=Non
     CALLS.append(dict(q=q, k=k, v=v, causal=is_causal, cu_q=cu_seqlens_q, cu_k=cu_seqlens_kv, max_q=max_seqlen_q,
                       max_k=max_seqlen_kv, return_lse=return_lse))
     assert q.dim() == k.dim() == v.dim() == 3 and q.dtype == k.dtype == v.dtype, "q, k, v: (total, heads, dim)"
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous(), "packed: ragged offsets are cu_seqlens x H x D"
     assert k.shape == v.shape and q.shape[2] == k.shape[2] and q.shape[1] % k.shape[1] == 0, "GQA: H % Hkv == 0"
     for cu, x, max_len in ((cu_seqlens_q, q, max_seqlen_q), (cu_seqlens_kv, k, max_seqlen_kv)):
         assert cu.dtype == torch.int32 and cu.dim() == 1 and cu.device == x.device
