@@ -305,6 +305,10 @@ def test_stored_settings_fill_what_the_environment_leaves_unset():
         tg.adopt_settings(make_cfg(), dict(stored, depth_recurrence=2), names, set(), "artifact a.ptz")
     with pytest.raises(ValueError, match="missing: \\['xsa_last_n'\\]"):
         tg.adopt_settings(make_cfg(), {k: v for k, v in stored.items() if k != "xsa_last_n"}, names, set(), "a")
+    # a setting this version dropped (a file made before 2026-11-28 holds ttt_warm_start_a): ignored, said
+    cfg, warnings = tg.adopt_settings(make_cfg(), dict(stored, ttt_warm_start_a=True), names, set(), "checkpoint y")
+    assert cfg.num_layers == 12 and warnings == ["checkpoint y holds TTT_WARM_START_A, a setting this version dropped: "
+                                                 "ignored"]
 
 
 def test_gate_window_is_read_by_either_gate_and_the_two_smear_gates_exclude_each_other():
