@@ -640,7 +640,9 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
     if attn in RAGGED and not cfg.doc_isolation:  # and not chosen by auto: not yet measured
         raise ValueError(f"ATTN_BACKEND={attn} is DOC_ISOLATION=1's backend")
     kernels = cfg.kernels if cfg.kernels != "auto" else ("triton" if cuda and triton is not None else "torch")
-    configure_inductor()
+    auto_on = {"auto": cuda, "1": True, "0": False}
+    if auto_on[cfg.compile_enabled]:  # inductor imported only to compile: a CPU run 0.13 s faster (3.54 vs 3.67 s)
+        configure_inductor()
     if cuda:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -649,7 +651,7 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
             getattr(torch.backends.cuda, f"enable_{kind}_sdp")(kind == ("cudnn" if attn in RAGGED else attn))
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl", device_id=device) if cuda else dist.init_process_group("gloo")
-    auto_on, budget = {"auto": cuda, "1": True, "0": False}, memory_budget(device)
+    budget = memory_budget(device)
     return Runtime(rank, world_size, local_rank, device, attn, kernels, auto_on[cfg.compile_enabled],
                    auto_on[cfg.cuda_graphs], resolve_grad_accum_steps(cfg, world_size, budget), budget,
                    resolve_ttt_rows(cfg, budget))
