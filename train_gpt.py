@@ -560,7 +560,7 @@ class Runtime:
 def free_and_cap(device: torch.device) -> tuple[int, float]:
     """The device's free bytes and the allocator's cap (set_per_process_memory_fraction)."""
     free, total = torch.cuda.mem_get_info(device)
-    return free, getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device) * total
+    return free, torch.cuda.get_per_process_memory_fraction(device) * total
 
 
 def memory(device: torch.device) -> str:
