@@ -570,9 +570,10 @@ def memory(device: torch.device) -> str:
         free, torch.cuda.memory_reserved(device), cap)))
 
 
-# Activation bytes per (token x layer pass x width), from peaks on an H200 at the defaults: a training micro-batch
-# (compiled; its CUDA graph's pool) and a TTT row (60,094 MiB reserved at 64 rows of 2,048)
-TRAIN_ACT_BYTES, TTT_ACT_BYTES = 36, 55
+# Activation bytes per (token x layer pass x width), from reserved peaks on an H200 at the defaults: the warmup's
+# (compiled; every mode's CUDA graph in one pool: 43,240 MiB at 98,304 tokens, 22,654 at 49,152) and a TTT row's
+# (60,094 MiB at 64 rows of 2,048)
+TRAIN_ACT_BYTES, TTT_ACT_BYTES = 53, 55
 MEMORY_USE = 0.85  # of what the process may use; the rest: weights, optimizer states, the allocator's fragmentation
 
 
@@ -628,6 +629,9 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
                                                        importlib.import_module("cudnn"), "sdpa_torch"):
         raise ValueError("ATTN_BACKEND=cudnn_fe needs nvidia-cudnn-frontend with its torch op (cudnn.sdpa_torch): "
                          "pip install nvidia-cudnn-frontend")
+    if cfg.attn_backend == "cudnn_fe":  # frontend 1.32 defines this op in its first backward: a cached graph skips it
+        with contextlib.suppress(ModuleNotFoundError):
+            importlib.import_module("cudnn.sdpa.packed_lse")
     if cfg.attn_backend != "auto":
         attn = cfg.attn_backend
     else:  # cuDNN SDPA (native GQA) ran fwd+bwd in 2.40 ms vs 3.71 for SDPA flash at the record micro-batch (H200)

@@ -54,7 +54,7 @@ def test_memory_plan_takes_the_fewest_micro_batches_and_most_ttt_rows_that_fit(g
     act = lambda tokens, per: per * tokens * 512 * 17
     for world in (1, 2, 8):
         seqs, accums = 384 // world, [8 // world * 2 ** k for k in range(12)]
-        fits = [a for a in accums if seqs % a == 0 and (not budget or act(786432 // (world * a), 36) <= budget)]
+        fits = [a for a in accums if seqs % a == 0 and (not budget or act(786432 // (world * a), 53) <= budget)]
         want = fits[0] if fits else max(a for a in accums if seqs % a == 0)
         assert tg.resolve_grad_accum_steps(cfg, world, budget) == want, world
     rows = [r for r in range(64, 0, -8) if not budget or act(r * 2048, 55) <= budget]
@@ -65,7 +65,7 @@ def test_memory_plan_takes_the_fewest_micro_batches_and_most_ttt_rows_that_fit(g
         assert (tg.resolve_grad_accum_steps(cfg, 1, budget), tg.resolve_ttt_rows(cfg, budget)) == (16, 24)
 
 
-@pytest.mark.parametrize("gib, accum, rows, warned", [(20, 16, 16, []), (1, 128, 8, ["GRAD_ACCUM", "TTT_BATCH"])])
+@pytest.mark.parametrize("gib, accum, rows, warned", [(20, 32, 16, []), (1, 128, 8, ["GRAD_ACCUM", "TTT_BATCH"])])
 def test_the_memory_plan_reaches_the_runtime_and_the_log(monkeypatch, gib, accum, rows, warned):
     """init_runtime takes memory_budget's figure (stubbed: no GPU here) into Runtime, and log_header says the plan:
     the budget, the micro-batch and rows with their estimates, and a warning naming the setting for an estimate over
@@ -79,7 +79,7 @@ def test_the_memory_plan_reaches_the_runtime_and_the_log(monkeypatch, gib, accum
     log.path = "logs/x.txt"
     tg.log_header(log, cfg, rt, [], "", 0)
     micro = 786432 // accum
-    est = micro * 512 * 17 * 36 / 2 ** 30, rows * 2048 * 512 * 17 * 55 / 2 ** 30
+    est = micro * 512 * 17 * 53 / 2 ** 30, rows * 2048 * 512 * 17 * 55 / 2 ** 30
     want = f"memory_plan budget:{gib:.1f} micro_batch_tokens:{micro} est:{est[0]:.1f} ttt_rows:{rows} est:{est[1]:.1f}"
     assert want in lines
     warnings = [x for x in lines if x.startswith("warning memory_plan")]
