@@ -287,7 +287,7 @@ class Hyperparameters:
                                            "document each (the last step's are not trained on, as in the records)",
                                            POSITIVE, on="phased_ttt_prefix_docs")
     global_ttt_grad_clip: float = setting(1.0, "the phases' grad-norm clip", POSITIVE, on="phased_ttt_prefix_docs")
-    ngram_tilt_enabled: bool = setting(False, "#2135's token-only n-gram tilt of lora's score (not its training): the "
+    ngram_tilt_enabled: bool = setting(True, "#2135's token-only n-gram tilt of lora's score (not its training): the "
                                        "next token a context of TOKEN_ORDER - 1 in-document tokens had at least "
                                        "TOKEN_THRESHOLD of its times gets TOKEN_BOOST nats, renormalised; the counts "
                                        "absorb scored documents every NGRAM_UPDATE_DOCS of lora's order (the same on "
@@ -570,9 +570,8 @@ def memory(device: torch.device) -> str:
         free, torch.cuda.memory_reserved(device), cap)))
 
 
-# Activation bytes per (token x layer pass x width), from reserved peaks on an H200 at the defaults: the warmup's
-# (compiled; every mode's CUDA graph in one pool: 43,240 MiB at 98,304 tokens, 22,654 at 49,152) and a TTT row's
-# (60,094 MiB at 64 rows of 2,048)
+# Activation bytes per (token x layer pass x width), fitted to reserved peaks on an H200: the warmup's (all graphs in
+# one pool: 43,240 MiB at 98,304 tokens, 22,654 at 49,152) and TTT's (60,094 MiB at 64 rows of 2,048)
 TRAIN_ACT_BYTES, TTT_ACT_BYTES = 53, 55
 MEMORY_USE = 0.85  # of what the process may use; the rest: weights, optimizer states, the allocator's fragmentation
 
@@ -645,7 +644,7 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
         raise ValueError(f"ATTN_BACKEND={attn} is DOC_ISOLATION=1's backend")
     kernels = cfg.kernels if cfg.kernels != "auto" else ("triton" if cuda and triton is not None else "torch")
     auto_on = {"auto": cuda, "1": True, "0": False}
-    if auto_on[cfg.compile_enabled]:  # inductor imported only to compile: a CPU run 0.13 s faster (3.54 vs 3.67 s)
+    if auto_on[cfg.compile_enabled]:  # inductor only where it compiles: a CPU run 0.13 s faster
         configure_inductor()
     if cuda:
         torch.cuda.set_device(device)
@@ -2359,13 +2358,17 @@ class NGramTable:
     context's most frequent next token when it holds TOKEN_THRESHOLD of the context's count. Contexts and pairs are
     64-bit hashes (wrapping products): sorted tensors, not a C table."""
 
-    def __init__(self, cfg: Hyperparameters, tokens: Tensor):
-        self.k, self.cfg, self.tokens, self.absorbed = cfg.token_order - 1, cfg, tokens, 0
-        g = torch.Generator().manual_seed(0)
-        self.coef = (torch.randint(1, 2 ** 62, (self.k,), generator=g) * 2 + 1).to(tokens.device)
-        empty = torch.zeros(0, dtype=torch.int64, device=tokens.device)
+    def __init__(self, cfg: Hyperparameters, scorer: Scorer):  # its tokens: read inside its loop
+        self.k, self.cfg, self.scorer, self.absorbed = cfg.token_order - 1, cfg, scorer, 0
+        g, dev = torch.Generator().manual_seed(0), scorer.tokens.device
+        self.coef = (torch.randint(1, 2 ** 62, (self.k,), generator=g) * 2 + 1).to(dev)
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
         self.pairs, self.ctx_of, self.tok_of, self.count = empty, empty, empty, empty
         self.ctx, self.top, self.share = empty, empty, empty.double()
+
+    @property
+    def tokens(self) -> Tensor:
+        return self.scorer.tokens
 
     def context(self, t: Tensor) -> Tensor:  # the hash of tokens t - K .. t - 1
         return (self.tokens[t[..., None] - torch.arange(self.k, 0, -1, device=t.device)] * self.coef).sum(-1)
@@ -2503,7 +2506,7 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, prob
     adapter_cls) and AdamW restart each batch; global_sgd after each phase. probe (tests): each target's NLL, lse."""
     plan = lora_plan(cfg, rt, scorer)
     adapter, fn = (adapter_cls or DocLoRA)(cfg, ttt_rows(cfg, rt), rt.device), scorer.logits_fn(model)
-    ngram = NGramTable(cfg, scorer.tokens) if cfg.ngram_tilt_enabled else None
+    ngram = NGramTable(cfg, scorer) if cfg.ngram_tilt_enabled else None
 
     def step(s: tuple[list[int], int, int]) -> Tensor:
         ids, train_upto, seg = s
@@ -3824,7 +3827,7 @@ def score_artifact(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Score
     mode's baseline), TTT; last, the tensors before the size fit. Returns the final score's key and the score."""
     model = artifact_model(cfg, rt, tensors)
     log_score(log, "final_int6_roundtrip", roundtrip := scorer(model, cfg.eval_seq_len))
-    if cfg.sliding_eval_enabled:  # without it TTT's score is the only one at EVAL_STRIDE (as the records' TTT runs)
+    if cfg.sliding_eval_enabled:  # without it TTT gives the only EVAL_STRIDE score (the records)
         score, key = scorer(model, cfg.eval_stride), "final_int6_sliding_window"
         log_score(log, key, score, f" stride:{cfg.eval_stride}")
         if cfg.ttt_enabled and TTT_MODES[cfg.ttt_mode].per_doc_baseline and not cfg.doc_isolation:

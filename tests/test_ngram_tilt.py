@@ -7,6 +7,8 @@ phases, and failing when the counts absorb the segment under way); 2 ranks score
 global order, the counts the same on every rank)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -29,12 +31,14 @@ def test_the_tilted_distribution_sums_to_one_and_scores_its_target():
     logits, y = torch.randn(3, 7, 50, generator=g) * 3, torch.randint(0, 50, (3, 7), generator=g)
     h = torch.where(torch.rand(3, 7, generator=g) < 0.6, torch.randint(0, 50, (3, 7), generator=g), -1)
     h[0, :3] = y[0, :3]  # some hints right
-    table = tg.NGramTable(tg.Hyperparameters(token_boost=2.625), torch.zeros(10, dtype=torch.int64))
+    scorer = SimpleNamespace(tokens=torch.zeros(10, dtype=torch.int64))  # the table reads the scorer's tokens
+    table = tg.NGramTable(tg.Hyperparameters(token_boost=2.625), scorer)
     table.hint = lambda t, ok: h
     nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(3, 7)
     out = table.tilt(logits, nll, y, torch.zeros(3, 7, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
                      torch.ones(3, 7, dtype=torch.bool))
-    p = torch.softmax(logits.double(), -1) * torch.exp(2.625 * F.one_hot(h.clamp(min=0), 50).double() * (h >= 0)[..., None])
+    boost = 2.625 * F.one_hot(h.clamp(min=0), 50).double() * (h >= 0)[..., None]
+    p = torch.softmax(logits.double(), -1) * torch.exp(boost)
     p = p / p.sum(-1, keepdim=True)
     want = -p.gather(-1, y[..., None])[..., 0].log()
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
@@ -44,7 +48,7 @@ def test_the_tilted_distribution_sums_to_one_and_scores_its_target():
 def test_the_counts_equal_a_dictionary_count_of_the_absorbed_documents():
     tokens = make_stream(270)
     spans = [(0, 5), (6, 47), (90, 130), (133, 181)]
-    table = tg.NGramTable(tg.Hyperparameters(token_order=3, token_threshold=0.6), tokens)
+    table = tg.NGramTable(tg.Hyperparameters(token_order=3, token_threshold=0.6), SimpleNamespace(tokens=tokens))
     table.absorb(spans, 4)
     counts: dict[tuple, dict[int, int]] = {}
     for s, e in spans:
