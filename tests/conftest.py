@@ -171,9 +171,8 @@ def run_script_interrupted(env: dict[str, str], cwd: Path, after: str, sig: int,
     return p.returncode, "".join(seen) + out, err
 
 
-def _spawn_entry(rank, world_size, port, env, fn, args, results):
-    os.environ.clear()  # the caller's environment now, as a spawned process would have it
-    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+def _spawn_entry(rank, world_size, port, fn, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
     import torch.distributed as dist
@@ -186,19 +185,12 @@ def _spawn_entry(rank, world_size, port, env, fn, args, results):
         dist.destroy_process_group()
 
 
-# The rank processes fork from one server per test process that has imported torch, dynamo and train_gpt: a spawned
-# process imported them anew, about 2 s of CPU each of the suite's ~24. The server is single-threaded (safe to fork).
-_FORKSERVER = mp.get_context("forkserver")
-_FORKSERVER.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "numpy", "conftest"])
-
-
 def spawn(fn, world_size: int, *args):
     """Run fn(rank, world_size, *args) in `world_size` gloo processes; returns the per-rank results.
     fn must be a module-level function (it is pickled by name) returning picklable values."""
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_spawn_entry, args=(world_size, free_port(), dict(os.environ), fn, args, results),
-                           nprocs=world_size, join=True, start_method="forkserver")
+        mp.spawn(_spawn_entry, args=(world_size, free_port(), fn, args, results), nprocs=world_size, join=True)
         return [results[r] for r in range(world_size)]
 
 
