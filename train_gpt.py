@@ -570,8 +570,8 @@ def memory(device: torch.device) -> str:
         free, torch.cuda.memory_reserved(device), cap)))
 
 
-# Activation bytes per (token x layer pass x width), fitted to reserved peaks on an H200: the warmup's (all graphs in
-# one pool: 43,240 MiB at 98,304 tokens, 22,654 at 49,152) and TTT's (60,094 MiB at 64 rows of 2,048)
+# Activation bytes per (token x layer pass x width), from reserved peaks on an H200: the warmup's (all graphs in one
+# pool: 43,240 MiB at 98,304 tokens; 22,654 at 49,152 is 55.5) and TTT's (60,094 MiB at 64 rows of 2,048)
 TRAIN_ACT_BYTES, TTT_ACT_BYTES = 53, 55
 MEMORY_USE = 0.85  # of what the process may use; the rest: weights, optimizer states, the allocator's fragmentation
 
@@ -629,8 +629,11 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
         raise ValueError("ATTN_BACKEND=cudnn_fe needs nvidia-cudnn-frontend with its torch op (cudnn.sdpa_torch): "
                          "pip install nvidia-cudnn-frontend")
     if cfg.attn_backend == "cudnn_fe":  # frontend 1.32 defines this op in its first backward: a cached graph skips it
-        with contextlib.suppress(ModuleNotFoundError):
+        try:
             importlib.import_module("cudnn.sdpa.packed_lse")
+        except ModuleNotFoundError as e:  # a frontend without it
+            if e.name not in ("cudnn.sdpa", "cudnn.sdpa.packed_lse"):
+                raise
     if cfg.attn_backend != "auto":
         attn = cfg.attn_backend
     else:  # cuDNN SDPA (native GQA) ran fwd+bwd in 2.40 ms vs 3.71 for SDPA flash at the record micro-batch (H200)

@@ -74,9 +74,11 @@ class Preset:
 # on the CPU while the GPU goes on).
 DEFAULT_CODER = "rans"  # train_gpt.py's COMPRESSOR default (and what "auto" picked before 2026-11-26)
 # TRAIN_LOG_EVERY=100 only adds points to the loss curves. PHASED_TTT_PREFIX_DOCS=45: the default's 2,500 of the real
-# set's 50,000 documents, as a share of the proxy validation's 902.
+# set's 50,000 documents, as a share of the proxy validation's 902. NGRAM_UPDATE_DOCS=64: the tilt's counts updated 14
+# times over the 902 (the default's 512 would update them once); the interval its proxy measure used (2026-11-28).
 PQB = ("TRAIN_BATCH_TOKENS=131072 WARMDOWN_ITERS=750 MUON_MOMENTUM_WARMUP_STEPS=400 VAL_LOSS_EVERY=0 "
-       "EVAL_STRIDE=64 GRAD_ACCUM_STEPS=1 COMPRESSOR=fast TRAIN_LOG_EVERY=100 PHASED_TTT_PREFIX_DOCS=45")
+       "EVAL_STRIDE=64 GRAD_ACCUM_STEPS=1 COMPRESSOR=fast TRAIN_LOG_EVERY=100 PHASED_TTT_PREFIX_DOCS=45 "
+       "NGRAM_UPDATE_DOCS=64")
 # Settings only (no run length): layered under a run preset, --preset sp1024,pqb-t. The tiny test configs use it.
 SP1024_STACK = ("VOCAB_SIZE=1024 MLP_MULT=3 QK_GAIN_INIT=1.5 BIGRAM_VOCAB_SIZE=1536 VE_ENABLED=1 NUM_LOOPS=0 "
                 "DOC_ISOLATION=0 MATRIX_LR=0.025 SCALAR_LR=0.025 TIED_EMBED_LR=0.035 MUON_WD=0.04 ADAM_WD=0.04 "
