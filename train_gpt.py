@@ -573,6 +573,7 @@ def memory(device: torch.device) -> str:
 # Activation bytes per (token x layer pass x width), from reserved peaks on an H200: the warmup's (all graphs in one
 # pool: 43,240 MiB at 98,304 tokens; 22,654 at 49,152 is 55.5) and TTT's (60,094 MiB at 64 rows of 2,048)
 TRAIN_ACT_BYTES, TTT_ACT_BYTES = 53, 55
+NGRAM_PEAK_BYTES = 110 * 47_851_520  # the tilt's counts' peak at the full validation set (H200)
 MEMORY_USE = 0.85  # of what the process may use; the rest: weights, optimizer states, the allocator's fragmentation
 
 
@@ -589,8 +590,12 @@ def ttt_rows(cfg: Hyperparameters, rt: Runtime) -> int:
     return cfg.ttt_batch_size or rt.ttt_rows
 
 
+def ttt_bytes(cfg: Hyperparameters, rows: int) -> int:
+    return activation_bytes(cfg, rows * cfg.eval_seq_len, TTT_ACT_BYTES) + NGRAM_PEAK_BYTES * cfg.ngram_tilt_enabled
+
+
 def resolve_ttt_rows(cfg: Hyperparameters, budget: float) -> int:
-    fit = [r for r in range(64, 8, -8) if activation_bytes(cfg, r * cfg.eval_seq_len, TTT_ACT_BYTES) <= budget]
+    fit = [r for r in range(64, 8, -8) if ttt_bytes(cfg, r) <= budget]
     return cfg.ttt_batch_size or (fit + [8] if budget else [64])[0]
 
 
@@ -3457,7 +3462,7 @@ class Trainer:
         if stopped:
             self.log(f"interrupted by {signal.Signals(stopped).name} at step {step}: resume with "
                      f"RESUME={self.ckpt_path} and the same settings")
-        elif self.graphed:  # scoring and TTT after training need the memory the graphs' pool and gradient buffers hold
+        elif self.graphed:  # scoring and TTT need the graphs' pool and the gradient buffers
             self.graphs.clear()
             self.graphed = self.opt.keep_grads = False
             self.opt.zero_grad()
@@ -3650,8 +3655,7 @@ def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[st
     log(rt.describe())
     if rt.budget:  # the estimates (GiB) behind GRAD_ACCUM_STEPS and TTT_BATCH_SIZE
         micro, G = cfg.train_batch_tokens // (rt.world_size * rt.grad_accum_steps), 2 ** 30
-        est = (activation_bytes(cfg, micro, TRAIN_ACT_BYTES), activation_bytes(
-            cfg, ttt_rows(cfg, rt) * cfg.eval_seq_len, TTT_ACT_BYTES))
+        est = (activation_bytes(cfg, micro, TRAIN_ACT_BYTES), ttt_bytes(cfg, ttt_rows(cfg, rt)))
         log(f"memory_plan budget:{rt.budget / G:.1f} micro_batch_tokens:{micro} est:{est[0] / G:.1f} ttt_rows:"
             f"{ttt_rows(cfg, rt)} est:{est[1] / G:.1f}")
         for advice, e in zip(("raise GRAD_ACCUM_STEPS (or shrink the model)", "lower TTT_BATCH_SIZE"), est):
