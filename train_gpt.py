@@ -573,7 +573,7 @@ def memory(device: torch.device) -> str:
 # Activation bytes per (token x layer pass x width), from reserved peaks on an H200: the warmup's (all graphs in one
 # pool: 43,240 MiB at 98,304 tokens; 22,654 at 49,152 is 55.5) and TTT's (60,094 MiB at 64 rows of 2,048)
 TRAIN_ACT_BYTES, TTT_ACT_BYTES = 53, 55
-NGRAM_PEAK_BYTES = 110 * 47_851_520  # the tilt's counts' peak at the full validation set (H200)
+NGRAM_PEAK_BYTES = 110 * 47_851_520  # the tilt's counts' peak, full validation set (H200)
 MEMORY_USE = 0.85  # of what the process may use; the rest: weights, optimizer states, the allocator's fragmentation
 
 
@@ -596,7 +596,7 @@ def ttt_bytes(cfg: Hyperparameters, rows: int) -> int:
 
 def resolve_ttt_rows(cfg: Hyperparameters, budget: float) -> int:
     fit = [r for r in range(64, 8, -8) if ttt_bytes(cfg, r) <= budget]
-    return cfg.ttt_batch_size or (fit + [8] if budget else [64])[0]
+    return (fit + [8] if budget else [64])[0]
 
 
 def resolve_grad_accum_steps(cfg: Hyperparameters, world_size: int, budget: float = 0.0) -> int:
@@ -629,14 +629,13 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
     if cfg.kernels == "triton" and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("KERNELS=triton off CUDA needs TRITON_INTERPRET=1 (Triton's interpreter)")
     import importlib.util
-    if cfg.attn_backend == "cudnn_fe" and not hasattr(importlib.util.find_spec("cudnn") and
-                                                       importlib.import_module("cudnn"), "sdpa_torch"):
-        raise ValueError("ATTN_BACKEND=cudnn_fe needs nvidia-cudnn-frontend with its torch op (cudnn.sdpa_torch): "
-                         "pip install nvidia-cudnn-frontend")
-    if cfg.attn_backend == "cudnn_fe":  # frontend 1.32 defines this op in its first backward: a cached graph skips it
-        try:
+    if cfg.attn_backend == "cudnn_fe":
+        if not hasattr(importlib.util.find_spec("cudnn") and importlib.import_module("cudnn"), "sdpa_torch"):
+            raise ValueError("ATTN_BACKEND=cudnn_fe needs nvidia-cudnn-frontend with its torch op (cudnn.sdpa_torch): "
+                             "pip install nvidia-cudnn-frontend")
+        try:  # 1.32 defines this op in its first backward: a cached graph skips it
             importlib.import_module("cudnn.sdpa.packed_lse")
-        except ModuleNotFoundError as e:  # a frontend without it
+        except ModuleNotFoundError as e:  # no such module
             if e.name not in ("cudnn.sdpa", "cudnn.sdpa.packed_lse"):
                 raise
     if cfg.attn_backend != "auto":
@@ -3654,10 +3653,10 @@ def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[st
         log(f"warning {w}")
     log(rt.describe())
     if rt.budget:  # the estimates (GiB) behind GRAD_ACCUM_STEPS and TTT_BATCH_SIZE
-        micro, G = cfg.train_batch_tokens // (rt.world_size * rt.grad_accum_steps), 2 ** 30
-        est = (activation_bytes(cfg, micro, TRAIN_ACT_BYTES), ttt_bytes(cfg, ttt_rows(cfg, rt)))
-        log(f"memory_plan budget:{rt.budget / G:.1f} micro_batch_tokens:{micro} est:{est[0] / G:.1f} ttt_rows:"
-            f"{ttt_rows(cfg, rt)} est:{est[1] / G:.1f}")
+        micro, rows, G = cfg.train_batch_tokens // (rt.world_size * rt.grad_accum_steps), ttt_rows(cfg, rt), 2 ** 30
+        est = (activation_bytes(cfg, micro, TRAIN_ACT_BYTES), ttt_bytes(cfg, rows))
+        log(f"memory_plan budget:{rt.budget / G:.1f} micro_batch_tokens:{micro} est:{est[0] / G:.1f} ttt_rows:{rows} "
+            f"est:{est[1] / G:.1f}")
         for advice, e in zip(("raise GRAD_ACCUM_STEPS (or shrink the model)", "lower TTT_BATCH_SIZE"), est):
             if e > rt.budget:
                 log(f"warning memory_plan: {e / G:.1f} GiB estimated over the {rt.budget / G:.1f} planned for: "

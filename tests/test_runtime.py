@@ -60,7 +60,8 @@ def test_memory_plan_takes_the_fewest_micro_batches_and_most_ttt_rows_that_fit(g
     rows = [r for r in range(64, 0, -8) if not budget or act(r * 2048, 55) + 110 * 47851520 <= budget]  # + the tilt
     assert tg.resolve_ttt_rows(cfg, budget) == (rows[0] if rows else 8)
     assert tg.resolve_grad_accum_steps(dataclasses.replace(cfg, grad_accum_steps=2), 1, budget) == 2
-    assert tg.resolve_ttt_rows(dataclasses.replace(cfg, ttt_batch_size=48), budget) == 48
+    rt = tg.Runtime(ttt_rows=tg.resolve_ttt_rows(cfg, budget))  # the plan's rows; an explicit setting stands
+    assert tg.ttt_rows(dataclasses.replace(cfg, ttt_batch_size=48), rt) == 48
     if gib == 31.5 * 0.85:  # the 32-GB card: the choice the README states
         assert (tg.resolve_grad_accum_steps(cfg, 1, budget), tg.resolve_ttt_rows(cfg, budget)) == (16, 16)
         assert tg.resolve_ttt_rows(dataclasses.replace(cfg, ngram_tilt_enabled=False), budget) == 24  # no counts
