@@ -187,7 +187,7 @@ class Hyperparameters:
     kernels: str = setting("auto", "q/k norm+RoPE, XSA, softcap CE: auto = triton on CUDA, torch ops on CPU (triton "
                            "there needs TRITON_INTERPRET=1)", ("auto", "triton", "torch"))
     # --- optimizer
-    matrix_lr: float = setting(0.026, "Muon lr for the four banks", NON_NEGATIVE)
+    matrix_lr: float = setting(0.028, "Muon lr for the four banks (#2135's; the 04-27 record's 0.026)", NON_NEGATIVE)
     scalar_lr: float = setting(0.02, "AdamW lr for control tensors and small projections", NON_NEGATIVE)
     tied_embed_lr: float = setting(0.03, "AdamW lr for token/bigram/value-embedding tables (tied head)", NON_NEGATIVE)
     embed_lr: float = setting(0.6, "table lr when embeddings are untied", NON_NEGATIVE)
@@ -239,7 +239,7 @@ class Hyperparameters:
     lqer_rank: int = setting(4, "rank of each correction A B (A int2, B int4)", POSITIVE, on="lqer_enabled")
     lqer_top_k: int = setting(3, "the matrices corrected: largest error norm ||W - Q||_F first", POSITIVE,
                               on="lqer_enabled")
-    lqer_asym_group: int = setting(64, "B's int4 scale group (one that does not divide B: A and B int4 per row)",
+    lqer_asym_group: int = setting(32, "B's int4 scale group (one that does not divide B: A and B int4 per row)",
                                    POSITIVE, on="lqer_enabled")
     gptq_calibration_batches: int = setting(16, "GPTQ's X^T X from this many train micro-batches per rank (0 = off)",
                                             NON_NEGATIVE)

@@ -34,13 +34,13 @@ RECORD_DEFAULTS = dict(
     gate_window=12,
     sparse_attn_gate_enabled=True, sparse_attn_gate_init_std=0.0, sparse_attn_gate_scale=0.5, bigram_vocab_size=0,
     ve_enabled=False, doc_isolation=True,
-    matrix_lr=0.026, tied_embed_lr=0.03, embed_lr=0.6, scalar_lr=0.02, muon_momentum=0.97,
+    tied_embed_lr=0.03, embed_lr=0.6, scalar_lr=0.02, muon_momentum=0.97,
     muon_momentum_warmup_start=0.92, muon_momentum_warmup_steps=1500, muon_backend_steps=5, muon_row_normalize=True,
     muon_polar_express=True, beta1=0.9, beta2=0.99, adam_eps=1e-8, grad_clip_norm=0.3, muon_wd=0.095, embed_wd=0.085,
     adam_wd=0.02, ema_enabled=True, ema_decay=0.9965, warmdown_frac=0.85, warmdown_iters=0, min_lr=0.1,
     late_qat_threshold=0.0,
     embed_bits=7, matrix_clip_sigmas=12.85, mlp_clip_sigmas=11.5, attn_clip_sigmas=13.0, embed_clip_sigmas=14.0,
-    gptq_calibration_batches=16, lqer_enabled=True, lqer_rank=4, lqer_top_k=3, lqer_asym_group=64,
+    gptq_calibration_batches=16, lqer_enabled=True, lqer_rank=4, lqer_top_k=3,
     ttt_enabled=True, ttt_mode="lora", ttt_lora_rank=80, ttt_lora_alpha=144.0, ttt_grad_steps=1,
     ttt_weight_decay=0.5, phased_ttt_num_phases=3,
 )
@@ -63,6 +63,7 @@ def test_defaults_are_the_record_stack():
     assert (cfg.phased_ttt_prefix_docs, cfg.ttt_short_score_first_steps) == (2500, "256:8,2000:24")  # the records'
     # the record reserved 0.5 s and timed its Hessians after the cap; ours covers our calibration's measured time
     assert cfg.gptq_reserve_seconds == 4.5
+    assert (cfg.matrix_lr, cfg.lqer_asym_group) == (0.028, 32)  # #2135's (the record's 0.026, 64): no loss on the proxy
     # the record's 64 TTT rows and accumulation where the memory holds them (auto: fewer rows, more micro-batches)
     assert cfg.ttt_batch_size == 0 and tg.resolve_ttt_rows(cfg, 0.0) == 64
     assert cfg.seed == 1337 and cfg.head_dim == 64 and cfg.num_kv_heads * cfg.head_dim == 256
