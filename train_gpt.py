@@ -138,7 +138,7 @@ class Hyperparameters:
     rope_dims: int = setting(16, "partial RoPE: rotate the first ROPE_DIMS of each head (even, <= head dim)",
                              model=True)
     logit_softcap: float = setting(30.0, "tanh softcap on logits (0 = off)", NON_NEGATIVE, True)
-    asym_logit_rescale: bool = setting(False, "AsymLogit: two softcaps, s+ on logits >= 0 and s- below, learned from "
+    asym_logit_rescale: bool = setting(True, "AsymLogit: two softcaps, s+ on logits >= 0 and s- below, learned from "
                                        "LOGIT_SOFTCAP in training and the phases (the records' never got a "
                                        "gradient); its loss runs on the torch path", model=True)
     qk_gain_init: float = setting(5.0, "per-head query gain after q/k RMSNorm")
@@ -398,7 +398,8 @@ class Hyperparameters:
              "SMEAR_GATE_ENABLED=1 (the 04-27 record's) are two kinds of one gate: set one to 0")
         require(not (self.doc_isolation and (self.smear_enabled or self.smear_gate_enabled) and not self.smear_bos_fix),
              "DOC_ISOLATION=1 needs SMEAR_BOS_FIX=1 (the SmearGate would carry the previous document into a BOS)")
-        require(not self.asym_logit_rescale or self.logit_softcap > 0, "ASYM_LOGIT_RESCALE=1 needs LOGIT_SOFTCAP > 0")
+        require(not self.asym_logit_rescale or self.logit_softcap > 0,
+             "ASYM_LOGIT_RESCALE=1 needs LOGIT_SOFTCAP > 0 (no cap: set both to 0)")
         require(self.late_qat_threshold == 0 or self.min_lr < self.late_qat_threshold,
              "MIN_LR must be below LATE_QAT_THRESHOLD: late QAT starts when the lr scale falls under it")
         require(re.fullmatch(r"\s*(\d+:[1-9]\d*\s*(,\s*\d+:[1-9]\d*\s*)*)?",
