@@ -214,7 +214,8 @@ class Hyperparameters:
                                on="ema_enabled")
     ema_horizon: float = setting(0.08, "EMA time constant, a fraction of the run (steps, or the wallclock cap)",
                                  NON_NEGATIVE, on="ema_decay=0")
-    late_qat_threshold: float = setting(0.0, "fake-quantize banks to int6 once lr scale < this (0 = off)", (0, 1))
+    late_qat_threshold: float = setting(0.0, "fake-quantize banks to their int6 export grid once lr scale < this (0 = "
+                                        "off)", (0, 1))
     # --- eval / logging / export
     eval_seq_len: int = setting(2048, "sliding-window scoring window", POSITIVE)
     eval_stride: int = setting(64, "tokens scored per window (after the first)", POSITIVE)
@@ -1493,10 +1494,18 @@ def grid_codes(w_RC: Tensor, clip_R: Tensor, scale_R: Tensor, qmax: int) -> Tens
     return torch.clamp(torch.round(torch.maximum(torch.minimum(w_RC, clip), -clip) / scale_R[:, None]), -qmax, qmax)
 
 
-def fake_quant(w: Tensor, qmax: int, floor: float) -> Tensor:
-    """Straight-through fake quantisation of each row (last dim) to a grid of codes in -qmax..qmax."""
+def clip_sigmas(cfg: Hyperparameters, matrix: str) -> float:
+    """The SD clip k of a kind of bank matrix (0 = the clip search). Per kind, as the MLP is the more sensitive per
+    byte: PQB weights, GPTQ, attention 7 and MLP 5 coded 39 KB smaller and 0.00011 better than both at 6."""
+    own = cfg.mlp_clip_sigmas if matrix.startswith("mlp.") else cfg.attn_clip_sigmas
+    return own if own > 0 else cfg.matrix_clip_sigmas
+
+
+def fake_quant(w: Tensor, qmax: int, floor: float, sigmas: float = 0.0) -> Tensor:
+    """Straight-through fake quantisation of rows (last dim) to quantize_matrix's grid: codes -qmax..qmax, clip
+    `sigmas` x std or the max."""
     w2 = w.detach().reshape(-1, w.size(-1))
-    clip = w2.abs().amax(dim=1)
+    clip = sigmas * w2.std(dim=1) if sigmas > 0 else w2.abs().amax(dim=1)
     scale = grid_scale(clip, qmax, floor)
     q = (grid_codes(w2, clip, scale, qmax) * scale[:, None]).view_as(w)
     return w + (q - w).detach()
@@ -1714,7 +1723,8 @@ class GPT(nn.Module):
                hessians: dict | None) -> Pass:
         cfg, banks = self.cfg, {bank: getattr(self, bank) for bank in BANKS}
         if mode.qat:
-            banks = {k: fake_quant(b, mode.qat, cfg.int6_scale_floor) for k, b in banks.items()}
+            banks = {k: fake_quant(b, mode.qat, cfg.int6_scale_floor, clip_sigmas(cfg, BANKS[k][0]))
+                     for k, b in banks.items()}
         dtype = torch.bfloat16 if torch.is_autocast_enabled(x.device.type) else x.dtype
         ve_BTK = None
         if cfg.ve_layer_list:
@@ -2634,13 +2644,6 @@ def gptq_codes(w_RC: Tensor, h_CC: Tensor, scale_R: Tensor, qmax: int) -> Tensor
             w[:, j:b1] -= err[:, j - b0, None] * u[j, j:b1]
         w[:, b1:] -= err @ u[b0:b1, b1:]
     return torch.empty_like(q).index_copy_(1, order, q).to(torch.int8)
-
-
-def clip_sigmas(cfg: Hyperparameters, matrix: str) -> float:
-    """The SD clip k of a kind of bank matrix (0 = the clip search). Per kind, as the MLP is the more sensitive per
-    byte: PQB weights, GPTQ, attention 7 and MLP 5 coded 39 KB smaller and 0.00011 better than both at 6."""
-    own = cfg.mlp_clip_sigmas if matrix.startswith("mlp.") else cfg.attn_clip_sigmas
-    return own if own > 0 else cfg.matrix_clip_sigmas
 
 
 def quantize_matrix(w_RC: Tensor, sigmas: float, floor: float, h_CC: Tensor | None, qmax: int = INT6_MAX,

@@ -2,6 +2,7 @@
 the int6 grid of late QAT, and the FlashAttention-3 adapter."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -71,22 +72,22 @@ class PlainGPT(nn.Module):
     Depth recurrence is the explicitly unrolled layer list (shared modules); parallel residuals a two-lane loop
     written out from the 2026-03-31 record's description."""
 
-    def __init__(self, model: tg.GPT, transform=lambda w: w, looping: bool = True):
+    def __init__(self, model: tg.GPT, transform=lambda w, name: w, looping: bool = True):
         super().__init__()
         cfg = self.cfg = model.cfg
         L = cfg.num_layers
 
-        def linear(w):
+        def linear(w, name):
             m = nn.Linear(w.shape[1], w.shape[0], bias=False).to(w.dtype)
             with torch.no_grad():
-                m.weight.copy_(transform(w.detach().clone()))
+                m.weight.copy_(transform(w.detach().clone(), name))
             return m
         self.layers = nn.ModuleList()
         for i in range(L):
             layer = nn.Module()
-            layer.q, layer.o = linear(model.qo_bank[i]), linear(model.qo_bank[L + i])
-            layer.k, layer.v = linear(model.kv_bank[i]), linear(model.kv_bank[L + i])
-            layer.up, layer.down = linear(model.mlp_up_bank[i]), linear(model.mlp_down_bank[i])
+            layer.q, layer.o = linear(model.qo_bank[i], "attn.q"), linear(model.qo_bank[L + i], "attn.o")
+            layer.k, layer.v = linear(model.kv_bank[i], "attn.k"), linear(model.kv_bank[L + i], "attn.v")
+            layer.up, layer.down = linear(model.mlp_up_bank[i], "mlp.up"), linear(model.mlp_down_bank[i], "mlp.down")
             self.layers.append(layer)
         self.p = {n: t.detach().clone() for n, t in model.named_parameters() if not n.endswith("_bank")}
         self.order = unrolled_order(cfg, looping)
@@ -449,10 +450,12 @@ def test_init_facts():
         assert torch.equal(b.q_gain, torch.full((4,), 1.5))
 
 
-def int6_reference(w: torch.Tensor, floor: float = 1 / 31) -> torch.Tensor:
-    """Per row (last dim): scale = max(max|w| / 31, floor), codes round(w / scale) in [-31, 31]."""
-    s = torch.clamp(w.abs().amax(-1, keepdim=True) / 31, min=floor).half().float()  # scales are stored fp16
-    return torch.clamp(torch.round(w / s), -31, 31) * s
+def int6_reference(w: torch.Tensor, floor: float = 1 / 31, sigmas: float = 0.0) -> torch.Tensor:
+    """Per row (last dim): clip c = max|w|, or with sigmas the records' SD clip sigmas x std(w) (unbiased); scale =
+    max(c / 31, floor), codes round(clamp(w, -c, c) / scale) in [-31, 31]."""
+    c = sigmas * w.std(-1, keepdim=True) if sigmas > 0 else w.abs().amax(-1, keepdim=True)
+    s = torch.clamp(c / 31, min=floor).half().float()  # scales are stored fp16
+    return torch.clamp(torch.round(torch.maximum(torch.minimum(w, c), -c) / s), -31, 31) * s
 
 
 def test_fake_quant_on_the_int6_grid_and_straight_through():
@@ -472,22 +475,33 @@ def test_fake_quant_on_the_int6_grid_and_straight_through():
 
 @pytest.mark.parametrize("floor", [1 / 31, 1e-4])
 def test_qat_trains_on_the_grid_the_export_writes(floor):
-    """One int6 grid: late QAT's fake quantisation equals the export's quantise-dequantise of the same rows
-    when the export's clip search keeps the max (its 1.0 candidate)."""
+    """One int6 grid: late QAT's fake quantisation equals the export's quantise-dequantise of the same rows, when
+    the export's clip search keeps the max (its 1.0 candidate) and with the SD clips the defaults export with (the
+    codes rounded: GPTQ moves codes, not the grid)."""
     g = torch.Generator().manual_seed(4)
     w = torch.randn(3, 7, 50, generator=g) * torch.tensor([0.003, 0.05, 2.0])[:, None, None]
+    qmax = tg.FORMATS["q6"].qmax(tg.Hyperparameters())
     codes, scales = tg.quantize_rows(w.reshape(-1, 50), 31, (1.0,), floor)
     exported = (codes.float() * scales.float()[:, None]).view_as(w)
-    assert torch.equal(tg.fake_quant(w, tg.FORMATS["q6"].qmax(tg.Hyperparameters()), floor), exported)
+    assert torch.equal(tg.fake_quant(w, qmax, floor), exported)
+    for sigmas in (2.5, 12.85):  # 2.5: some entries clipped
+        codes, scales = tg.quantize_matrix(w.reshape(-1, 50), sigmas, floor, None)
+        exported = (codes.float() * scales.float()[:, None]).view_as(w)
+        assert torch.equal(tg.fake_quant(w, qmax, floor, sigmas), exported)
+        assert (codes.abs() == 31).any() == (sigmas == 2.5)
 
 
-def test_qat_forward_uses_int6_banks():
+@pytest.mark.parametrize("attn,mlp", [(0.0, 0.0), (13.0, 11.5)])  # the sp1024 stack's clip search; the defaults'
+def test_qat_forward_uses_int6_banks(attn, mlp):
+    """Late QAT's forward: each bank on its export grid, the SD clip of its kind (or the row's max)."""
     model = feature_model("full").double()
+    cfg = model.cfg = dataclasses.replace(model.cfg, attn_clip_sigmas=attn, mlp_clip_sigmas=mlp)
     ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         plain = model.logits(ids)
         qat = model.logits(ids, mode=tg.Mode(qat=31))
-        want = PlainGPT(model, transform=int6_reference)(ids)
+        want = PlainGPT(model, transform=lambda w, name: int6_reference(
+            w, cfg.int6_scale_floor, mlp if name.startswith("mlp.") else attn))(ids)
     assert (qat - plain).abs().max() > 1e-3
     torch.testing.assert_close(qat, want, rtol=ROPE_TOL, atol=ROPE_TOL)
 
