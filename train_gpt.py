@@ -3180,7 +3180,7 @@ def write_atomic(path: Path, data: bytes) -> None:
 def shipped_code(source: str) -> bytes:
     """The train_gpt.py a record ships (code_bytes): this source without its prose (comments, docstrings, the
     settings' meanings: the README's) and with its indentation cut to a space a level, xz + base85 in a stub that runs
-    it, registered in linecache for @triton.jit. Self-contained: records/package_record.py takes it from a log."""
+    it, registered in linecache for @triton.jit; without this function (records/package_record.py runs it)."""
     import ast
     import base64
     import io
@@ -3189,6 +3189,8 @@ def shipped_code(source: str) -> bytes:
     lines, docs, meanings, drop, fixed, depth_at, depth = source.split("\n"), {}, [], set(), set(), {}, 0
     for node in ast.walk(ast.parse(source)):
         body = getattr(node, "body", None)
+        if getattr(node, "name", "") == "shipped_code":
+            drop.update(range(node.lineno, node.end_lineno + 1))
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and isinstance(body[0], ast.Expr) and \
                 isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
             docs[body[0].lineno, body[0].col_offset] = len(body) == 1  # alone: it becomes `pass`
@@ -3229,6 +3231,11 @@ def shipped_code(source: str) -> bytes:
     return (f'import base64,linecache,lzma\ns=lzma.decompress(base64.b85decode("{packed}")).decode()\n'
             'f=__file__+"#source"\nlinecache.cache[f]=(len(s),None,s.splitlines(True),f)\nREADABLE_SOURCE=s\n'
             'exec(compile(s,f,"exec"))\n').encode("utf-8")
+
+
+def shipped_bytes(code: str) -> int:
+    """The size of shipped_code's stub; in a run of the stub, its own."""
+    return Path(__file__).stat().st_size if "READABLE_SOURCE" in globals() else len(shipped_code(code))
 
 
 # ===== Training: EMA, schedule, the step (CUDA graphs), the timed loop =====
@@ -3877,7 +3884,7 @@ def main() -> int:
             raise ValueError(f"TOKENIZER_PATH {cfg.tokenizer_path} (sha256 {tokenizer}) is not the tokenizer {source} "
                              f"was made with (sha256 {made['tokenizer_sha256']})")
     if cfg.auto_size > 0 and ckpt is None and stored is None:  # a resumed or scored model keeps its shapes
-        cfg = fit_to_limit(cfg, explicit, len(shipped_code(code)))
+        cfg = fit_to_limit(cfg, explicit, shipped_bytes(code))
     warnings += cfg.unread(explicit)
     rt = init_runtime(cfg)
     check_same_on_ranks({k: v for k, v in os.environ.items() if k.lower() in SETTINGS})
@@ -3909,7 +3916,7 @@ def main() -> int:
 def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: list[str], ckpt: dict | None,
         stored: tuple | None, tokenizer: str) -> int:
     """The pipeline: train -> export -> score the artifact file (and TTT on it); EVAL_ONLY scores `stored`."""
-    t_start, code_bytes = time.perf_counter(), len(shipped_code(code))
+    t_start, code_bytes = time.perf_counter(), shipped_bytes(code)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     log_header(log, cfg, rt, warnings, code, code_bytes)

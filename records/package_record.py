@@ -345,7 +345,8 @@ def problems_of(run: RunLog, allow_partial_val: bool = False) -> list[str]:
     if run.code_bytes is None:
         out.append("no `code_bytes:N` line")
     elif run.shipped is None:
-        out.append("the embedded source has no shipped_code function (the size of the code a record ships)")
+        out.append("the embedded source has no shipped_code function (the size of the code a record ships): a log of "
+                   "the shipped stub, which leaves it out? Package runs of the readable train_gpt.py")
     elif len(run.shipped) != run.code_bytes:
         out.append(f"the shipped train_gpt.py rebuilt from the embedded source is {len(run.shipped)} bytes but "
                    f"code_bytes says {run.code_bytes}")

@@ -4,6 +4,7 @@ independent of the code under test: numpy per-row loops, a reader of the documen
 zstandard."""
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import lzma
@@ -610,8 +611,8 @@ def test_the_shipped_stub_runs_alone_and_scores_as_the_readable_file(dataset, to
     """A record ships train_gpt.py as shipped_code's stub: the source without its prose and with one-space indents,
     xz + base85, run from linecache so that @triton.jit can read its kernels' source. At most 55,000 bytes for this
     file. Alone in an empty folder on the tiny config it trains and scores exactly as the readable file does (every
-    loss and score, the artifact's bytes); its log embeds the source it ran and counts code_bytes as its own size,
-    as the readable file counts it too."""
+    loss and score, the artifact's bytes); its log embeds the source it ran (without shipped_code, the packaging)
+    and counts code_bytes as its own size, as the readable file counts it too."""
     source = SCRIPT.read_text(encoding="utf-8")
     stub = tmp_path / "train_gpt.py"
     stub.write_bytes(tg.shipped_code(source))
@@ -625,7 +626,9 @@ def test_the_shipped_stub_runs_alone_and_scores_as_the_readable_file(dataset, to
         artifacts[name] = (tmp_path / name / "logs" / f"{name}.int6.ptz").read_bytes()
     shipped = logs["stub"].split("==== source: train_gpt.py ====\n", 1)[1].split("\n==== end source ====", 1)[0]
     assert "#" not in "".join(line.split('"')[0] for line in shipped.splitlines()) and '"""' not in shipped
-    assert tg.shipped_code(shipped) == stub.read_bytes()  # the same again: a stub run counts its own size
+    packed = re.search(r'b85decode\("([^"]*)"\)', stub.read_text(encoding="utf-8"))[1]
+    assert lzma.decompress(base64.b85decode(packed)).decode("utf-8") == shipped  # the log embeds what ran
+    assert "def shipped_code" not in shipped and "def shipped_bytes" in shipped  # packaging is not shipped
     for log in logs.values():
         assert f"\ncode_bytes:{stub.stat().st_size}\n" in log
     scores = {n: re.findall(r"^(\S+(?:_exact)? val_loss:\S+ val_bpb:\S+|step:\S+ train_loss:\S+)", log, re.M)
