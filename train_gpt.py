@@ -137,7 +137,8 @@ class Hyperparameters:
                                POSITIVE, True)
     rope_dims: int = setting(16, "partial RoPE: rotate the first ROPE_DIMS of each head (even, <= head dim)",
                              model=True)
-    logit_softcap: float = setting(30.0, "tanh softcap on logits (0 = off)", NON_NEGATIVE, True)
+    logit_softcap: float = setting(30.0, "tanh softcap on logits (0 = off, with ASYM_LOGIT_RESCALE=0)", NON_NEGATIVE,
+                                   True)
     asym_logit_rescale: bool = setting(True, "AsymLogit: two softcaps, s+ on logits >= 0 and s- below, learned from "
                                        "LOGIT_SOFTCAP in training and the phases (the records' never got a "
                                        "gradient); its loss runs on the torch path", model=True)
@@ -184,8 +185,8 @@ class Hyperparameters:
     attn_backend: str = setting("auto", "auto on CUDA: fa3 if importable, else varlen to train with DOC_ISOLATION, "
                                 "else SDPA cudnn; math on CPU; cudnn_fe: the cuDNN frontend's ragged SDPA",
                                 ("auto", "fa3", "flash", "cudnn", "math", "varlen", "cudnn_fe"))
-    kernels: str = setting("auto", "q/k norm+RoPE, XSA, softcap CE: auto = triton on CUDA, torch ops on CPU (triton "
-                           "there needs TRITON_INTERPRET=1)", ("auto", "triton", "torch"))
+    kernels: str = setting("auto", "q/k norm+RoPE, XSA, softcap CE (not AsymLogit's): auto = triton on CUDA, torch ops "
+                           "on CPU (triton there needs TRITON_INTERPRET=1)", ("auto", "triton", "torch"))
     # --- optimizer
     matrix_lr: float = setting(0.028, "Muon lr for the four banks (#2135's; the 04-27 record's 0.026)", NON_NEGATIVE)
     scalar_lr: float = setting(0.02, "AdamW lr for control tensors and small projections", NON_NEGATIVE)
@@ -1482,7 +1483,7 @@ class Ops:
 TORCH_OPS = Ops(qk_norm_rope_reference, exclusive_self_attention_reference, softcap_loss_reference)
 
 # The quantisation grid of late QAT and the export: per-row scale = clip / qmax, floored, stored (so applied) as
-# fp16; codes = round(w / scale) in [-qmax, qmax]. QAT clips each row at its max; the export chooses the clip.
+# fp16; codes = round(w / scale) in [-qmax, qmax]. Both clip at the SD clip of the kind (or the row's max, searched).
 
 
 def grid_scale(clip_R: Tensor, qmax: int, floor: float) -> Tensor:
@@ -3672,8 +3673,9 @@ def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[st
             if e > rt.budget:
                 log(f"warning memory_plan: {e / G:.1f} GiB estimated over the {rt.budget / G:.1f} planned for: "
                     f"expect out of memory; {advice}")
-    if rt.kernels == "triton" and cfg.vocab_size > CE_MAX_VOCAB:
-        log(f"kernels: the training loss runs as torch ops (VOCAB_SIZE {cfg.vocab_size} > {CE_MAX_VOCAB})")
+    if rt.kernels == "triton" and (cfg.vocab_size > CE_MAX_VOCAB or cfg.asym_logit_rescale):
+        why = "ASYM_LOGIT_RESCALE=1" if cfg.asym_logit_rescale else f"VOCAB_SIZE {cfg.vocab_size} > {CE_MAX_VOCAB}"
+        log(f"kernels: the training loss runs as torch ops ({why})")
     log(f"outputs log:{log.path} artifact:{cfg.eval_only or cfg.artifact_path}"
         + (f" checkpoints:logs/{cfg.run_id}.ckpt" if cfg.checkpoint_every else ""))
     if not cfg.eval_only:  # known at step 0: a config that will not fit, or one that leaves bytes unused

@@ -501,7 +501,8 @@ def render_readme(sub: dict, runs: list[RunLog], track: str) -> str:
                        f"{verdict} at p < {sig['threshold']}.")
         out.append("")
     out += ["## Files", "", "- `train_gpt.py`: the script as shipped and counted (code_bytes): a stub that "
-            "decompresses `train_gpt_readable.py` and runs it; `python3 train_gpt.py` or `torchrun ... train_gpt.py`",
+            "decompresses `train_gpt_readable.py` without its prose and packaging code and runs it; `python3 "
+            "train_gpt.py` or `torchrun ... train_gpt.py`",
             "- `train_gpt_readable.py`: the script's source, extracted from the logs (identical in all of them)",
             *[f"- `{s['log']}`: full log of seed {s['seed']}" for s in sub["per_seed"]],
             "- `submission.json`: the numbers above", "",

@@ -256,7 +256,7 @@ MODEL_CONFIGS = {
     # odd depth, untied head, relu^2, no smear/bigram/VE/LN scale/softcap, XSA everywhere, other RoPE base
     "plain": dict(NUM_LAYERS=3, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=1, ROPE_DIMS=8, VOCAB_SIZE=96,
                   TIE_EMBEDDINGS=0, MLP_NEGATIVE_SLOPE=0, SMEAR_ENABLED=0, BIGRAM_VOCAB_SIZE=0, VE_ENABLED=0,
-                  LN_SCALE=0, LOGIT_SOFTCAP=0, ASYM_LOGIT_RESCALE=0, XSA_LAST_N=3, ROPE_BASE=500, MLP_MULT=2),
+                  LN_SCALE=0, LOGIT_SOFTCAP=0, XSA_LAST_N=3, ROPE_BASE=500, MLP_MULT=2),
     # no GQA, full-width RoPE, no XSA, VE on layer 0
     "mha": dict(NUM_LAYERS=2, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=2, ROPE_DIMS=16, VOCAB_SIZE=64,
                 BIGRAM_VOCAB_SIZE=32, BIGRAM_DIM=8, VE_DIM=8, VE_LAYERS="0", XSA_LAST_N=0),

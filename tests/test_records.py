@@ -358,6 +358,16 @@ def test_refuses_unfinished_ttt_and_mismatched_code_bytes(tmp_path, capsys):
     assert "no legal_ttt_exact line" in err and "code_bytes says 12" in err
 
 
+def test_refuses_a_log_of_the_shipped_stub(tmp_path, capsys):
+    """A run of the shipped stub logs the source it ran, which leaves shipped_code out: refused, saying why."""
+    code = CODE.replace("def shipped_code(source: str) -> bytes:", "def packed(source: str) -> bytes:")
+    assert code != CODE
+    log, _ = make_log(tmp_path, 5, code=code)
+    assert run_cli(tmp_path, [log]) == 1
+    err = capsys.readouterr().err
+    assert "has no shipped_code function" in err and "Package runs of the readable train_gpt.py" in err
+
+
 def test_refuses_logs_whose_settings_differ(tmp_path, capsys):
     """A "3-seed record" of 2-layer and 3-layer runs used to be packaged (a stderr warning, exit 0): a setting other
     than the seed and what names the run and its files (run_id, artifact_path, resume) must be the same in all."""
