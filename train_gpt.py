@@ -3817,6 +3817,8 @@ def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: 
     if ema is not None:
         ema.copy_to_model()
         log_score(log, "post_ema", scorer(model, cfg.eval_seq_len))
+    if cfg.asym_logit_rescale:  # the caps learned (the records' never left LOGIT_SOFTCAP)
+        log("asym_logit_caps pos:{:.4f} neg:{:.4f}".format(*model.softcap_pm.tolist()))
     return model, hessians, train_ms, 0, done_at
 
 

@@ -202,3 +202,6 @@ def test_asym_logit_caps_train_and_are_stored(monkeypatch, tmp_path, dataset, to
     caps = [v for k, v in tensors.items() if k.startswith("softcap_pm")]
     assert len(caps) == 1 and caps[0].dtype == torch.float16 and caps[0].shape == (2,), tensors.keys()
     assert (caps[0] != 5.0).all() and caps[0][0] != caps[0][1], caps
+    logged = re.search(r"^asym_logit_caps pos:(\S+) neg:(\S+)$", (tmp_path / "logs" / "asym.txt").read_text(), re.M)
+    logged = torch.tensor([float(logged[1]), float(logged[2])]).half()  # the exported model's, as stored
+    torch.testing.assert_close(logged, caps[0], rtol=0, atol=4e-3)  # an fp16 step at 4-8
