@@ -18,6 +18,7 @@ import contextlib
 import copy
 import functools
 import difflib
+import faulthandler
 import glob
 import hashlib
 import io
@@ -3990,13 +3991,20 @@ def report_error(e: BaseException) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a C++ abort (gloo, NCCL) prints every thread's Python stack, not one bare line
     try:
         rc = main()
     except (ValueError, OSError, RuntimeError, FloatingPointError, KeyboardInterrupt) as e:
         if os.environ.get("DEBUG") == "1":
             raise
-        sys.exit(report_error(e))  # no barrier: the other ranks may never get there
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()  # tearing gloo down while a peer is still talking aborts the process
-        dist.destroy_process_group()
-    sys.exit(rc)
+        rc = report_error(e)  # no barrier: the other ranks may never get there
+    else:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # tearing gloo down while a peer is still talking aborts the process
+            dist.destroy_process_group()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError):
+            stream.flush()
+    # no interpreter finalization: a gloo thread that frees a tensor then cannot take the GIL and aborts (pytorch
+    # PR #179291; a 3-rank CI run's rank 1 ended so: "terminate called without an active exception")
+    os._exit(rc)
