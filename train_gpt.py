@@ -2823,7 +2823,8 @@ def code_errors(packed: dict[str, Tensor], state: dict[str, Tensor], cfg: Hyperp
             continue
         e = fmt.dequantize({p: packed[f"{name}.{p}"] for p in (fmt.kind, *fmt.parts)}) - w.detach().float().cpu()
         err = (e @ hessians[key].float().cpu() * e).sum() if hessians is not None else e.square().sum()
-        out[name] = (float(err) / e.numel(), e.numel())
+        if err > 0:  # a zero matrix (never trained) codes exactly: no bits to trade, and coarser_grids takes log2
+            out[name] = (float(err) / e.numel(), e.numel())
     return out
 
 
@@ -3136,7 +3137,7 @@ def serialize(model: GPT, cfg: Hyperparameters, meta: dict, hessians: dict | Non
     errors, need = code_errors(packed, state, cfg, hessians), 8 * (len(first) - budget)
     if not errors:
         raise ValueError(f"the artifact is {len(first)} bytes, over the {budget:.0f} left beside the code, and no "
-                         "matrix has an SD clip to coarsen (*_CLIP_SIGMAS=0, the clip search)")
+                         "matrix has an SD clip and an error to coarsen (*_CLIP_SIGMAS=0, the clip search; all zero)")
     bits = 1.02 * need
     for _ in range(FIT_TRIES):
         grids = coarser_grids(errors, bits)

@@ -103,6 +103,16 @@ def test_an_over_budget_artifact_is_quantized_again_on_coarser_grids(lqer):
     assert bool(lqer_keys) == lqer
 
 
+def test_an_all_zero_matrix_is_left_out_of_the_fit():
+    """A zero matrix (a zero-initialised projection never trained: ITERATIONS=0) codes exactly, so it has no bits to
+    trade: the fit leaves it out (its log2 of a zero error crashed the water-filling) and still fits."""
+    cfg, model, hessians = fixture_export(lqer=False)
+    tg.unbank(model.state_dict(), cfg.num_layers)["blocks.0.attn.o"].zero_()
+    first, _, _ = tg.serialize(model, cfg, {"tokenizer_sha256": ""}, hessians)
+    blob, _, fit = tg.serialize(model, cfg, {"tokenizer_sha256": ""}, hessians, len(first) - 300)
+    assert len(blob) <= len(first) - 300 and fit["grids"] and "blocks.0.attn.o" not in fit["grids"]
+
+
 def test_the_fast_coder_is_never_fitted():
     cfg, model, hessians = fixture_export()
     cfg = tg.replace(cfg, compressor="fast")
