@@ -78,9 +78,8 @@ FP16_MIN_NORMAL = 2.0 ** -14  # the smallest scale an fp16 row scale holds witho
 
 
 def setting(default, meaning: str, allowed: str | tuple | Callable = "", model: bool = False, on: str = ""):
-    """A setting: default, meaning (README's table), allowed values (a range, an inclusive (lo, hi), choices, or a
-    function giving them), whether it defines the model (stored in artifacts), and `on`: its feature's setting
-    ("ttt_mode=lora": a mode's), with which off it is reported as ignored."""
+    """A setting: default, meaning (README's table), allowed values (a range, an inclusive (lo, hi), choices or a
+    function of them), whether it is the model's (stored in artifacts), `on`: the feature it is ignored without."""
     return field(default=default, metadata=dict(meaning=meaning, allowed=allowed, model=model, on=on))
 
 
@@ -434,8 +433,7 @@ class Hyperparameters:
 
     @property
     def parallel_start(self) -> int:
-        """The first parallel layer; NUM_LAYERS when there is none (off, or the default past a shallow model's
-        depth)."""
+        """The first parallel layer; NUM_LAYERS when none (off, or the default past a shallow model's depth)."""
         first = self.parallel_start_layer
         return first if 0 < first < self.num_layers else self.num_layers
 
@@ -642,9 +640,7 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
         except ModuleNotFoundError as e:  # no such module
             if e.name not in ("cudnn.sdpa", "cudnn.sdpa.packed_lse"):
                 raise
-    if cfg.attn_backend != "auto":
-        attn = cfg.attn_backend
-    else:  # cuDNN SDPA (native GQA) ran fwd+bwd in 2.40 ms vs 3.71 for SDPA flash at the record micro-batch (H200)
+    if (attn := cfg.attn_backend) == "auto":  # cuDNN SDPA (native GQA): fwd+bwd 2.40 ms vs SDPA flash's 3.71 (H200)
         fa3 = importlib.util.find_spec("flash_attn_interface")
         attn = ("fa3" if fa3 else "varlen" if cfg.doc_isolation and not cfg.eval_only else "cudnn") if cuda else "math"
     # DOC_ISOLATION's rows that cross documents need a mask (varlen's sized by TrainLoader); scoring rows do not
@@ -1382,8 +1378,7 @@ def rope_tables(seq_len: int, rope_dims: int, base: float) -> tuple[Tensor, Tens
 
 
 def qk_norm_rope_reference(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_H: Tensor | None) -> Tensor:
-    """RMSNorm per head, partial RoPE (the first 2F channels as half-split pairs), per-head gain: what the kernel
-    fuses."""
+    """What the kernel fuses: RMSNorm per head, partial RoPE (the first 2F channels, half-split pairs), gain."""
     y, T, half = rms_norm(x_BTHD), x_BTHD.size(1), cos_TF.size(1)
     if half > 0:
         cos, sin = (t[:T, None, :].to(y.dtype) for t in (cos_TF, sin_TF))
@@ -1459,8 +1454,7 @@ def softcap(logits: Tensor, cap: float | Tensor) -> Tensor:
     """c tanh(z / c); cap a Tensor (s+, s-): AsymLogit, s+ where z >= 0, s- below."""
     if isinstance(cap, Tensor):
         cap = torch.where(logits >= 0, cap[0].to(logits.dtype), cap[1].to(logits.dtype))
-        return cap * torch.tanh(logits / cap)
-    return cap * torch.tanh(logits / cap) if cap > 0 else logits
+    return cap * torch.tanh(logits / cap) if isinstance(cap, Tensor) or cap > 0 else logits
 
 
 def cross_entropy(logits_NV: Tensor, targets_N: Tensor, reduction: str = "mean") -> Tensor:
@@ -1504,8 +1498,7 @@ def clip_sigmas(cfg: Hyperparameters, matrix: str) -> float:
 
 
 def fake_quant(w: Tensor, qmax: int, floor: float, sigmas: float = 0.0) -> Tensor:
-    """Straight-through fake quantisation of rows (last dim) to quantize_matrix's grid: codes -qmax..qmax, clip
-    `sigmas` x std or the max."""
+    """Straight-through fake quantisation of rows to quantize_matrix's grid (clip `sigmas` x std, or the max)."""
     w2 = w.detach().reshape(-1, w.size(-1))
     clip = sigmas * w2.std(dim=1) if sigmas > 0 else w2.abs().amax(dim=1)
     scale = grid_scale(clip, qmax, floor)
@@ -2109,8 +2102,7 @@ CE_MAX_VOCAB = 32768  # a row per program, in registers; wider rows take the tor
 
 
 def _ce_launch_args(logits_NV: Tensor, targets_N: Tensor, cap: float) -> tuple:
-    """Grid, constants, and warps forward and backward (record shape, H200: 84 us with 1 warp forward,
-    104 us with 4 backward)."""
+    """Grid, constants, warps forward and backward (record shape, H200: 84 us at 1 warp, 104 us at 4)."""
     if logits_NV.dim() != 2:
         raise ValueError(f"softcap_cross_entropy: logits must be (N, V), got {tuple(logits_NV.shape)}")
     N, V = logits_NV.shape
@@ -2170,8 +2162,7 @@ TRITON_OPS = Ops(qk_norm_rope_triton, exclusive_self_attention_triton, softcap_l
 
 
 def build_model(cfg: Hyperparameters, rt: Runtime) -> GPT:
-    """The one constructor of training and scoring models: fp32, but for bf16 embedding tables on CUDA (the
-    reference's)."""
+    """The one constructor of training and scoring models: fp32, but bf16 embedding tables on CUDA (reference)."""
     model = GPT(cfg, rt.attn_backend, TRITON_OPS if rt.kernels == "triton" else TORCH_OPS).to(rt.device)
     for name, p in model.named_parameters():
         if name in EMBED_TABLES and rt.device.type == "cuda":
@@ -2262,23 +2253,17 @@ class Scorer:
         with torch.inference_mode(), autocast(self.rt.device):
             fn(torch.zeros(self.batch_seqs, self.cfg.eval_seq_len, dtype=torch.int64, device=self.rt.device))
 
-    def rows(self, starts_B: Tensor, lo_B: Tensor, hi_B: Tensor, length: int) -> tuple[Tensor, ...]:
-        """Inputs, targets, the mask of targets [lo_B, hi_B) and the targets' bytes, of rows of `length` tokens from
-        starts_B (reads past the end clamped, masked out)."""
-        pos = torch.arange(length, device=starts_B.device)
-        idx = (starts_B[:, None] + pos).clamp(max=self.tokens.numel() - 2)
+    def rows_nll(self, fn: Callable, w_B3: Tensor, length: int, *extra) -> tuple[Tensor, Tensor, tuple]:
+        """(logits, nll (B, length), rows (x, y, mask of the scored targets, their bytes)) of windows w (start, first
+        scored target, end) as rows of `length` tokens (past the end: clamped, masked), scored by fn(x, *extra)."""
+        at = w_B3[:, :1] + torch.arange(length, device=w_B3.device)
+        idx = at.clamp(max=self.tokens.numel() - 2)
         x, y, (base, space, boundary) = self.tokens[idx], self.tokens[idx + 1], self.luts
         nbytes = base[y] + (space[y] & ~boundary[x]) if self.val_bytes is None else self.val_bytes[idx + 1]
-        return x, y, (pos >= lo_B[:, None]) & (pos < hi_B[:, None]), nbytes
-
-    def rows_nll(self, fn: Callable, w_B3: Tensor, length: int, *extra) -> tuple[Tensor, Tensor, tuple]:
-        """(logits, nll (B, length), rows (x, y, mask, bytes)) of windows w (start, first scored target, end) as rows
-        of `length` tokens, scored by fn(x, *extra)."""
-        rows = self.rows(w_B3[:, 0], w_B3[:, 1] - w_B3[:, 0], w_B3[:, 2] - w_B3[:, 0], length)
         with autocast(self.rt.device):
-            logits = fn(rows[0], *extra)
-        return logits, cross_entropy(logits.flatten(0, 1), rows[1].flatten(),
-                                     reduction="none").view(rows[0].shape), rows
+            logits = fn(x, *extra)
+        nll = cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(x.shape)
+        return logits, nll, (x, y, (at >= w_B3[:, 1:2]) & (at < w_B3[:, 2:3]), nbytes)
 
     @torch.inference_mode()
     def score_windows(self, fn: Callable, wins: Tensor) -> Tensor:
@@ -2687,10 +2672,13 @@ def lqer_factors(err_RC: Tensor, rank: int, group: int) -> dict[str, Tensor]:
     return out
 
 
+def dequantize_runs(q: Tensor, s: Tensor) -> Tensor:
+    """Codes times scales, each scale covering an equal run of the codes (a row, an LQER group, or all)."""
+    return (q.float().reshape(s.numel(), -1) * s.float()[:, None]).reshape(q.shape)
+
+
 def lqer_delta(f: dict[str, Tensor]) -> Tensor:
-    """A B of lqer_factors' tensors: each scale covers an equal run of its codes (a row, a group, or all)."""
-    dq = lambda q, s: (q.float().reshape(s.numel(), -1) * s.float()[:, None]).reshape(q.shape)
-    return dq(f["lqA"], f["lqAs"]) @ dq(f["lqB"], f["lqBs"])
+    return dequantize_runs(f["lqA"], f["lqAs"]) @ dequantize_runs(f["lqB"], f["lqBs"])
 
 
 # rANS's bits a code: SD-clipped, a Gaussian row's on steps of k std / qmax (0.07-0.12% under the defaults' trained
@@ -2747,18 +2735,14 @@ def embed_table(cfg: Hyperparameters, name: str, w: Tensor, h: Tensor | None, co
     return dict(zip(("q8", "scale"), quantize_matrix(w, k, floor, h, qmax, (INT8_CLIP_QUANTILE,), coarsen)))
 
 
-def rows_times_scales(codes: Tensor, scale: Tensor) -> Tensor:
-    return codes.float() * scale.float()[:, None]
-
-
 FORMATS = {f.kind: f for f in (
     Format("q6", "int6", lambda cfg, name, t: bank_matrix(name) is not None, int6_matrix,
-           lambda p: rows_times_scales(p["q6"], p["scale"]), lambda cfg, name: sd_clip_bits(
+           lambda p: dequantize_runs(p["q6"], p["scale"]), lambda cfg, name: sd_clip_bits(
                clip_sigmas(cfg, bank_matrix(name)[0]), INT6_MAX) or PREDICT_SEARCH_BITS["q6"], ("scale",),
            lambda cfg: INT6_MAX, lambda cfg, name: clip_sigmas(cfg, bank_matrix(name)[0]),
            lambda cfg, name: bank_matrix(name)),
     Format("q8", "int8 tables", lambda cfg, name, t: t.numel() > KEEP_FLOAT_MAX_NUMEL and t.ndim == 2, embed_table,
-           lambda p: rows_times_scales(p["q8"], p["scale"]), lambda cfg, name: sd_clip_bits(
+           lambda p: dequantize_runs(p["q8"], p["scale"]), lambda cfg, name: sd_clip_bits(
                cfg.embed_clip_sigmas, embed_qmax(cfg)) or PREDICT_SEARCH_BITS["q8"] - (8 - cfg.embed_bits),
            ("scale",), embed_qmax, lambda cfg, name: cfg.embed_clip_sigmas,
            lambda cfg, name: ("head", 0) if name == head_name(cfg) else None),
@@ -2877,8 +2861,7 @@ def fit_to_limit(cfg: Hyperparameters, explicit: set[str], code_bytes: int) -> H
 
 @torch.no_grad()
 def calibrate(model: GPT, loader: TrainLoader, batches: int) -> dict[tuple[str, int], Tensor]:
-    """GPTQ's H = X^T X of every bank matrix and the output head over `batches` train micro-batches per rank (train
-    data only), summed over ranks."""
+    """GPTQ's H = X^T X (summed over ranks) of every bank matrix and the head on `batches` train micro-batches each."""
     # X^T X under the run's TF32, as the records: 2.4x faster than without, 3e-6 bpb worse (PERFORMANCE.md "Now")
     hessians, seen = {}, 0
     while seen < batches:
@@ -3291,8 +3274,7 @@ def train_cap_ms(cfg: Hyperparameters) -> float:
 
 
 def run_progress(cfg: Hyperparameters, steps: int, elapsed_ms: float) -> float:
-    """How far the run is, 0..1: by steps done or, capped, by the clock, whichever is further (the warmdown, the EMA
-    and ENABLE_LOOPING_AT read it)."""
+    """How far the run is, 0..1: by steps or, capped, by the clock, whichever is further (warmdown, EMA, loops)."""
     cap_ms = train_cap_ms(cfg)
     return max(steps / max(cfg.iterations, 1), elapsed_ms / cap_ms if cap_ms > 0 else 0.0)
 
@@ -3381,8 +3363,7 @@ class Trainer:
         return loss.detach()
 
     def _capture(self, x: Tensor, y: Tensor) -> tuple:
-        """Capture fwd_bwd in the current mode (zero gradients: a step's first micro-batch); a mode the warmup did not
-        run compiles first, on a side stream."""
+        """Capture fwd_bwd in the current mode (zero grads: a first micro-batch); an unwarmed mode compiles first."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if any(p.grad is not None and p.grad.any() for p in params):
             raise RuntimeError("CUDA graph capture needs zero gradients (a step's first micro-batch)")
@@ -3724,8 +3705,7 @@ def check_train_shards(cfg: Hyperparameters, rt: Runtime, log: Logger, sp, val: 
 
 
 def validation_scorer(cfg: Hyperparameters, rt: Runtime, log: Logger, tokenizer: str) -> tuple[Scorer, bool]:
-    """The val shards' scorer, once the tokenizer is shown to be theirs (and the train shards'), and whether they are
-    the offline sample."""
+    """The val shards' scorer, once the tokenizer is shown theirs (and the train's), and whether they are the sample."""
     import sentencepiece as spm
     sp = spm.SentencePieceProcessor(model_file=cfg.tokenizer_path)
     log(f"tokenizer path:{cfg.tokenizer_path} sha256:{tokenizer}")
@@ -3769,15 +3749,13 @@ def precompile_eval(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scor
         with grad_flags(model, False):
             mode.precompile(cfg, rt, model, scorer)
     del model
-    if rt.device.type == "cuda":
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # a no-op without CUDA
     log(f"eval_precompile time:{now_ms(rt.device) - t0:.0f}ms")
 
 
 def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: dict | None,
           tokenizer: str) -> tuple[GPT, dict | None, float, int, float]:
-    """(the trained model, EMA applied; GPTQ's Hessians or None; training ms; the signal that stopped it or 0;
-    train_done's time.perf_counter())."""
+    """(trained model, EMA applied; GPTQ's Hessians or None; training ms; stopping signal or 0; train_done's time)."""
     model, files = build_model(cfg, rt), shard_files(cfg.data_path, "train")
     loader = TrainLoader(files, cfg, rt)
     log(f"train_data shards:{len(files)} tokens:{loader.tokens} epochs_at_max_iterations:"
