@@ -1312,10 +1312,12 @@ class TrainLoader:
             self.sampler.load_state_dict(state)
             raise
         mine = np.concatenate([seqs[(m * W + self.rt.rank) * s:][:s] for m in range(self.rt.grad_accum_steps)])
-        if self.max_docs:  # varlen's fixed-size cu_seqlens: more documents would merge
-            docs = (mine[:, 1:-1] == BOS_ID).reshape(self.rt.grad_accum_steps, -1).sum(1) + s * (1 + self.cuts)
-            if docs.max() > self.max_docs:
-                raise ValueError(f"a micro-batch holds {docs.max()} documents, more than varlen's cu_seqlens holds "
+        if self.max_docs:  # varlen's fixed-size cu_seqlens: more documents would merge. Every rank's micro-batches
+            # counted, so that all ranks stop at the same batch
+            docs = (seqs[:, 1:-1] == BOS_ID).reshape(len(seqs) // s, -1).sum(1) + s * (1 + self.cuts)
+            if docs.max() > self.max_docs:  # as a bad shard: mid-run, a checkpoint before this batch
+                self.sampler.load_state_dict(state)
+                raise ShardError(f"a micro-batch holds {docs.max()} documents, more than varlen's cu_seqlens holds "
                                  f"({self.max_docs}: one per {DOC_BOUNDARY_TOKENS} tokens); use ATTN_BACKEND=math")
         if self.rt.device.type != "cuda":
             t = torch.from_numpy(mine.astype(np.int64))
@@ -3498,8 +3500,8 @@ class Trainer:
                 loss = self.step(step, lr_scale * ramp)
             except ShardError as e:  # raised before the step's work: keep what was trained
                 self.save_checkpoint(ema, self.where(step, progress, clocks, clocks.now()))
-                raise ShardError(f"{e}; checkpoint {self.ckpt_path} written at step {step}: fix the data, "
-                                 f"then resume with RESUME={self.ckpt_path}") from None
+                raise ShardError(f"{e}; checkpoint {self.ckpt_path} written at step {step}: fix the data (or the "
+                                 f"setting named), then resume with RESUME={self.ckpt_path}") from None
             # progress on the agreed clock; a stall counts as at most 3 average steps, so no single snapshot
             # dominates the EMA
             done = run_progress(cfg, step + 1, elapsed)

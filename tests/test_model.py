@@ -681,5 +681,14 @@ def test_varlen_loader_refuses_a_batch_with_more_documents_than_cu_seqlens_holds
     cfg = make_cfg(TRAIN_SEQ_LEN=512, TRAIN_BATCH_TOKENS=512, DOC_ISOLATION=1, VOCAB_SIZE=64)
     files = [str(tmp_path / "fineweb_train_000000.bin")]
     tg.TrainLoader(files, cfg, tg.Runtime()).next_batch()  # the math backend's mask has no limit
-    with pytest.raises(ValueError, match="holds 171 documents, more than varlen's cu_seqlens holds \\(3"):
-        tg.TrainLoader(files, cfg, tg.Runtime(attn_backend="varlen")).next_batch()
+    loader = tg.TrainLoader(files, cfg, tg.Runtime(attn_backend="varlen"))
+    before = loader.sampler.state_dict()
+    with pytest.raises(tg.ShardError, match="holds 171 documents, more than varlen's cu_seqlens holds \\(3"):
+        loader.next_batch()  # a ShardError: mid-run, the timed loop writes a checkpoint before this batch
+    assert loader.sampler.state_dict() == before
+    # two ranks: only rank 0's micro-batch is too full, and both stop (one alone would leave the other in a collective)
+    cfg = make_cfg(TRAIN_SEQ_LEN=512, TRAIN_BATCH_TOKENS=1024, DOC_ISOLATION=1, VOCAB_SIZE=64)
+    write_shard(tmp_path / "fineweb_train_000000.bin", tokens[:513] + [7] * 600)
+    for rank in (0, 1):
+        with pytest.raises(tg.ShardError, match="holds 171 documents"):
+            tg.TrainLoader(files, cfg, tg.Runtime(rank=rank, world_size=2, attn_backend="varlen")).next_batch()
