@@ -1312,10 +1312,9 @@ class TrainLoader:
             self.sampler.load_state_dict(state)
             raise
         mine = np.concatenate([seqs[(m * W + self.rt.rank) * s:][:s] for m in range(self.rt.grad_accum_steps)])
-        if self.max_docs:  # varlen's fixed-size cu_seqlens: more documents would merge. Every rank's micro-batches
-            # counted, so that all ranks stop at the same batch
+        if self.max_docs:  # varlen's fixed-size cu_seqlens: more documents would merge (every rank's counted: all stop)
             docs = (seqs[:, 1:-1] == BOS_ID).reshape(len(seqs) // s, -1).sum(1) + s * (1 + self.cuts)
-            if docs.max() > self.max_docs:  # as a bad shard: mid-run, a checkpoint before this batch
+            if docs.max() > self.max_docs:  # as a bad shard: a checkpoint before this batch
                 self.sampler.load_state_dict(state)
                 raise ShardError(f"a micro-batch holds {docs.max()} documents, more than varlen's cu_seqlens holds "
                                  f"({self.max_docs}: one per {DOC_BOUNDARY_TOKENS} tokens); use ATTN_BACKEND=math")
