@@ -326,7 +326,8 @@ class Hyperparameters:
                 raise ValueError(f"unknown setting {key}={raw!r}; closest valid setting: {close[0]}")
         values["run_id"] = values.get("run_id") or str(uuid.uuid4())
         cfg = cls(**values)
-        cfg.validate()
+        if bool(cfg.resume) == bool(cfg.eval_only):  # else adopt_settings validates, with the stored settings
+            cfg.validate()
         return cfg, warnings
 
     def ignored(self, name: str) -> str:
@@ -418,9 +419,9 @@ class Hyperparameters:
         require(self.max_wallclock_seconds == 0 or self.gptq_calibration_batches == 0
              or self.gptq_reserve_seconds < self.max_wallclock_seconds,
              "GPTQ_RESERVE_SECONDS must be below MAX_WALLCLOCK_SECONDS")
-        # scales are stored (and applied) as fp16: a smaller floor rounds to 0 and turns all-zero rows into 0/0
-        require(self.int6_scale_floor >= FP16_MIN_NORMAL,
-             "INT6_SCALE_FLOOR must be >= 2^-14 (6.1e-5), fp16's smallest normal")
+        # fp16 scales: under 2^-14 zero rows go 0/0, past 4,094 a coarsened one is inf; 1 zeroes every trained row
+        require(FP16_MIN_NORMAL <= self.int6_scale_floor <= 1,
+             "INT6_SCALE_FLOOR must be in [2^-14 (6.1e-5, fp16's smallest normal), 1]")
 
     @property
     def head_dim(self) -> int:
@@ -603,6 +604,8 @@ def resolve_ttt_rows(cfg: Hyperparameters, budget: float) -> int:
 
 def resolve_grad_accum_steps(cfg: Hyperparameters, world_size: int, budget: float = 0.0) -> int:
     accum = cfg.grad_accum_steps or max(1, 8 // world_size)
+    if cfg.eval_only:  # no training batch to divide
+        return accum
     seqs = cfg.train_batch_tokens // (world_size * cfg.train_seq_len)
     while not cfg.grad_accum_steps and seqs % (2 * accum) == 0 and activation_bytes(
             cfg, cfg.train_batch_tokens // (world_size * accum), TRAIN_ACT_BYTES) > budget > 0:
@@ -762,6 +765,21 @@ def memory_advice(rt: Runtime, change: str):
         raise
 
 
+def on_rank0(rt: Runtime, fn: Callable):
+    """fn() on rank 0; its result, or its error raised on every rank (alone, it left the others in a collective)."""
+    out: list = [None]
+    if rt.is_main:
+        try:
+            out[0] = fn()
+        except (OSError, ValueError) as e:
+            out[0] = e
+    if _distributed():
+        dist.broadcast_object_list(out, src=0)
+    if isinstance(out[0], Exception):
+        raise out[0]
+    return out[0]
+
+
 def claim_outputs(cfg: Hyperparameters, rt: Runtime) -> Hyperparameters:
     """One run, one log, no output overwritten: rank 0 creates logs/<RUN_ID>.txt exclusively for the first free of
     RUN_ID, RUN_ID_2, ... and tells the other ranks. An empty ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz; the
@@ -795,17 +813,7 @@ def claim_outputs(cfg: Hyperparameters, rt: Runtime) -> Hyperparameters:
                         create(logs / f"{run_id}.int6.ptz")
                     return replace(cfg, run_id=run_id,
                                    artifact_path=cfg.artifact_path or str(logs / f"{run_id}.int6.ptz"))
-    out: list = [None]
-    if rt.is_main:
-        try:
-            out[0] = claim()
-        except OSError as e:
-            out[0] = e
-    if _distributed():
-        dist.broadcast_object_list(out, src=0)
-    if isinstance(out[0], Exception):
-        raise out[0]
-    return out[0]
+    return on_rank0(rt, claim)
 
 
 class Logger:
@@ -2330,9 +2338,8 @@ def global_sgd_rows(cfg: Hyperparameters, rt: Runtime) -> tuple[int, int]:
 
 def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn: Callable,
                spans: list[tuple[int, int]]) -> None:
-    """Phased TTT's SGD of all base weights on the val targets [s, e) of each span (scored documents), in rows of
-    EVAL_SEQ_LEN from each document's start (the records pack documents into full rows: more, emptier steps here).
-    A step's rows are every rank's: this rank takes every world-th, padded to `mine` rows (one compiled shape)."""
+    """Phased TTT's SGD of all base weights on the targets of each span (scored documents), in rows of EVAL_SEQ_LEN
+    from each document's start (the records packed full rows); a rank takes every world-th row, padded to `mine`."""
     T, (per, mine) = cfg.eval_seq_len, global_sgd_rows(cfg, rt)
     row_spans = torch.tensor([(a, min(e - a, T)) for s, e in spans for a in range(s, e, T)], dtype=torch.int64,
                              device=rt.device).view(-1, 2)
@@ -2350,7 +2357,7 @@ def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn
                 ((nll * mask).sum() * rt.world_size / step[:, 1].sum()).backward()
                 if _distributed():
                     with torch.no_grad():
-                        grads = FlatTensors([p.grad for p in params])
+                        grads = FlatTensors([p.grad for p in params if p.grad is not None])  # NUM_LAYERS=1's skips
                         grads.mean()
                         grads.write_back()
                 torch.nn.utils.clip_grad_norm_(params, cfg.global_ttt_grad_clip)
@@ -2359,10 +2366,9 @@ def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn
 
 
 class NGramTable:
-    """#2135's token-only expert, causal in lora's order: each target with K = TOKEN_ORDER - 1 in-document
-    predecessors is a (context, next token) pair; absorb() counts the pairs of documents already scored, hint() gives a
-    context's most frequent next token when it holds TOKEN_THRESHOLD of the context's count. Contexts and pairs are
-    64-bit hashes (wrapping products): sorted tensors, not a C table."""
+    """#2135's token-only expert, causal in lora's order: a target with K = TOKEN_ORDER - 1 in-document predecessors
+    is a (context, next token) pair; absorb() counts the scored documents' pairs, hint() a context's top next token
+    if it holds TOKEN_THRESHOLD of the context's count. Contexts and pairs are 64-bit hashes: sorted tensors."""
 
     def __init__(self, cfg: Hyperparameters, scorer: Scorer):  # its tokens: read inside its loop
         self.k, self.cfg, self.scorer, self.absorbed = cfg.token_order - 1, cfg, scorer, 0
@@ -2640,7 +2646,7 @@ def quantize_matrix(w_RC: Tensor, sigmas: float, floor: float, h_CC: Tensor | No
     times `coarsen`) or the clip search over `quantiles` (0); the codes rounded, or GPTQ'd given its H."""
     if sigmas > 0:
         clip = sigmas * w_RC.std(dim=1)
-        scale = grid_scale(clip, qmax, floor) * coarsen
+        scale = (grid_scale(clip, qmax, floor) * coarsen).half().float()  # the stored one
         codes = grid_codes(w_RC, clip, scale, qmax).to(torch.int8)
     else:
         codes, scale = quantize_rows(w_RC, qmax, quantiles, floor)
@@ -2922,7 +2928,8 @@ def unpack_tensors(buf: bytes) -> tuple[dict, dict[str, Tensor]]:
         n = _nbytes(dtype, shape)
         if offset + n > len(buf):
             raise ValueError(f"artifact payload is truncated at tensor {name}")
-        out[name] = torch.frombuffer(bytearray(buf[offset: offset + n]), dtype=_DTYPES[dtype]).reshape(shape)
+        out[name] = torch.frombuffer(bytearray(buf[offset: offset + n]), dtype=_DTYPES[dtype]).reshape(shape) if n \
+            else torch.empty(shape, dtype=_DTYPES[dtype])  # frombuffer refuses 0 bytes (NUM_LAYERS=1's skips)
         offset += n
     if offset != len(buf):
         raise ValueError(f"artifact payload has {len(buf) - offset} trailing bytes")
@@ -2959,9 +2966,8 @@ def _freq_cum(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def rans_encode(sym: np.ndarray, tid: np.ndarray, freq: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Interleaved rANS (Duda 2013; 32-bit states, 16-bit words): symbol i, with table tid[i], goes to stream
-    i % RANS_LANES, so numpy codes a symbol of every stream per step. Back to front; returns the final states, the
-    streams' word counts, and their words in decoding order."""
+    """Interleaved rANS (Duda 2013; 32-bit states, 16-bit words): symbol i (table tid[i]) goes to stream i % RANS_LANES,
+    numpy coding one symbol a stream a step, back to front. (final states, word counts, words in decoding order)."""
     steps = -(-sym.size // RANS_LANES)
     f_all, c_all = _freq_cum(freq)
     sym_g, tid_g, live = _by_step(sym, steps), _by_step(tid, steps), _by_step(np.ones(sym.size, bool), steps)
@@ -3110,9 +3116,8 @@ def decompress(blob: bytes) -> bytes:
 
 def serialize(model: GPT, cfg: Hyperparameters, meta: dict, hessians: dict | None = None,
               budget: float = math.inf) -> tuple[bytes, str, dict | None]:
-    """The artifact of a model (quantize_state, pack_tensors, compress): (its bytes, the coder, the fit). Over
-    `budget` bytes, rANS's is quantized again on coarser_grids until it fits: the fit is {"unfitted": the tensors
-    before, "bytes": their artifact's size, "grids"}, else None."""
+    """(the artifact's bytes, its coder, the fit). Over `budget` bytes, rANS's is quantized again on coarser_grids
+    until it fits: the fit is {"unfitted": the tensors before, "bytes": their artifact's size, "grids"}, else None."""
     state = model.state_dict()
     packed = quantize_state(state, cfg, hessians)
     first, coder = compress(pack_tensors(packed, cfg, meta), cfg.compressor)
@@ -3607,19 +3612,21 @@ class Trainer:
         if state["cuda_rng"] is not None and self.rt.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"], self.rt.device)
         self.clock = state["clock"]
-        self.mode = Mode(self.clock["loop"], self.qat_grid if self.clock["qat"] else 0)
+        self.mode = Mode(self.clock["loop"], self.qat_grid if self.clock["qat"] and self.cfg.late_qat_threshold else 0)
 
     def save_checkpoint(self, ema: EMA | None, clock: dict) -> None:
         t0 = now_ms(HOST)
         spans = {k: self.clock[k] for k in ("span", "span_step") if k in self.clock}
         state = self.state(ema, dict(clock, qat=bool(self.mode.qat), loop=self.mode.looping, **spans))
-        if self.rt.is_main:
+
+        def write() -> None:
             buf = io.BytesIO()
             torch.save(state, buf)
             payload = buf.getvalue()
             write_atomic(self.ckpt_path, CHECKPOINT_MAGIC + hashlib.sha256(payload).digest() + payload)
             self.log(f"checkpoint step:{clock['step']} path:{self.ckpt_path} bytes:{buf.tell()} "
                      f"time:{now_ms(HOST) - t0:.0f}ms")
+        on_rank0(self.rt, write)
 
     def check_finite(self, first_bad: Tensor) -> None:
         local = float(first_bad.item())
@@ -3689,14 +3696,22 @@ def check_train_shards(cfg: Hyperparameters, rt: Runtime, log: Logger, sp, val: 
     starts, ends, keys = doc_keys(val)
     for j, (a, b, key) in enumerate(zip(starts, ends, keys)):
         index.setdefault(key, []).append((a, b, j))
-    found = torch.zeros(len(starts) + 1, dtype=torch.int64)  # each val document's flag, then the tokens
+    # a flag per val document, the tokens found, a flag per shard of another tokenizer
+    found = torch.zeros(len(starts) + 1 + len(files), dtype=torch.int64)
     for i, (f, tokens) in enumerate(zip(files, map(raw_shard, files))):  # every header on every rank
         if i % rt.world_size == rt.rank:
-            check_tokenizer(sp, tokens, f)
+            try:
+                check_tokenizer(sp, tokens, f)
+            except ValueError:  # raised after the sum, on every rank
+                found[len(starts) + 1 + i] = 1
+                continue
             docs, n = val_docs_in(tokens, val, index)
-            found[list(docs)], found[-1] = 1, found[-1] + n
+            found[list(docs)], found[len(starts)] = 1, found[len(starts)] + n
     found = found.to(rt.device)
     all_reduce_sum_(found)
+    found, bad = found[:len(starts) + 1], found[len(starts) + 1:].nonzero().flatten().tolist()
+    if bad:
+        check_tokenizer(sp, raw_shard(files[bad[0]]), files[bad[0]])
     docs, tokens = int((found[:-1] > 0).sum()), int(found[-1])
     log(f"train_shards_checked shards:{len(files)} val_docs_in_train:{docs}/{len(starts)} tokens:{tokens} "
         f"time:{1000 * (time.perf_counter() - t0):.0f}ms")
@@ -3728,6 +3743,8 @@ def validation_scorer(cfg: Hyperparameters, rt: Runtime, log: Logger, tokenizer:
         if want is not None and counts[key] is not None and want != counts[key]:
             raise ValueError(f"the val shards hold {counts[key]} {key}, {manifest[1]} says {want}")
     check_tokenizer(sp, val_tokens.numpy(), val_files[0])
+    if not (val_tokens[1:] != BOS_ID).any():  # found now, not after training
+        raise ValueError(f"the val shards of {cfg.data_path} hold no target but BOS: no bytes to score")
     if not cfg.eval_only:
         check_train_shards(cfg, rt, log, sp, val_tokens.numpy())
     scorer = Scorer(cfg, rt, val_tokens, luts, log, val_bytes)
@@ -3807,8 +3824,7 @@ def export(cfg: Hyperparameters, rt: Runtime, log: Logger, model: GPT, hessians:
            code_bytes: int) -> dict | None:
     """Rank 0 writes the artifact to ARTIFACT_PATH, a rANS one fitted to the size limit; every rank returns, once it
     is on disk, the tensors before a fit (serialize) or None."""
-    out = [None]
-    if rt.is_main:
+    def write() -> dict | None:
         t0 = time.perf_counter()
         blob, coder, fit = serialize(model, cfg, meta, hessians, SIZE_LIMIT_BYTES - code_bytes)
         write_atomic(Path(cfg.artifact_path), blob)
@@ -3816,11 +3832,9 @@ def export(cfg: Hyperparameters, rt: Runtime, log: Logger, model: GPT, hessians:
             g = fit["grids"].values()
             log(f"size_fit bytes:{fit['bytes']}->{len(blob)} coarser_grids:{len(g)} x{min(g):.4f}..x{max(g):.4f} "
                 "(over the limit: least GPTQ error per code first; its cost is scored after the final scores)")
-            out[0] = fit["unfitted"]
         log(f"Serialized model int6+{coder}: {len(blob)} bytes export_time:{1000 * (time.perf_counter() - t0):.0f}ms")
-    if _distributed():
-        dist.broadcast_object_list(out, src=0)
-    return out[0]
+        return fit and fit["unfitted"]
+    return on_rank0(rt, write)
 
 
 def score_artifact(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, tensors: dict[str, Tensor],
@@ -3970,7 +3984,8 @@ def report_error(e: BaseException) -> int:
     return 128 + getattr(e, "signum", signal.SIGINT) if isinstance(e, KeyboardInterrupt) else 1
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The script's start and end: main(), one line for an error a user can act on, no interpreter finalization."""
     faulthandler.enable()  # a C++ abort (gloo, NCCL) prints every thread's Python stack, not one bare line
     try:
         rc = main()
@@ -3980,11 +3995,18 @@ if __name__ == "__main__":
         rc = report_error(e)  # no barrier: the other ranks may never get there
     else:
         if dist.is_available() and dist.is_initialized():
-            dist.barrier()  # tearing gloo down while a peer is still talking aborts the process
-            dist.destroy_process_group()
+            try:
+                dist.barrier()  # tearing gloo down while a peer is still talking aborts the process
+                dist.destroy_process_group()
+            except RuntimeError:  # a peer ended first, and said why
+                rc = rc or 1
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError):
             stream.flush()
     # no interpreter finalization: a gloo thread that frees a tensor then cannot take the GIL and aborts (pytorch
     # PR #179291; a 3-rank CI run's rank 1 ended so: "terminate called without an active exception")
     os._exit(rc)
+
+
+if __name__ == "__main__":
+    entry()

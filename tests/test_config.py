@@ -206,11 +206,14 @@ def test_script_run_with_misspelled_variable_fails_naming_it(dataset, tokenizer_
     assert "MUON_MOMENTM" in r.stderr and "closest valid setting: MUON_MOMENTUM" in r.stderr, r.stderr[-2000:]
 
 
-def test_int6_scale_floor_below_fp16_range_is_an_error():
-    """Scales are stored as fp16: a floor under 2^-14 would round towards 0 and make all-zero rows 0/0 (NaN)."""
-    with pytest.raises(ValueError, match="INT6_SCALE_FLOOR must be >= 2\\^-14"):
-        make_cfg(INT6_SCALE_FLOOR="1e-9")
+def test_int6_scale_floor_outside_fp16_range_is_an_error():
+    """Scales are stored as fp16: a floor under 2^-14 would round towards 0 and make all-zero rows 0/0 (NaN); one of
+    1e5 overflowed to inf, a NaN artifact without a word."""
+    for bad in ("1e-9", "1e5", "1.5"):
+        with pytest.raises(ValueError, match="INT6_SCALE_FLOOR must be in \\[2\\^-14"):
+            make_cfg(INT6_SCALE_FLOOR=bad)
     assert make_cfg(INT6_SCALE_FLOOR="0.0001").int6_scale_floor == 0.0001
+    assert make_cfg(INT6_SCALE_FLOOR="1").int6_scale_floor == 1.0
 
 
 @pytest.mark.parametrize("key, raw, message", [

@@ -163,6 +163,21 @@ def test_the_largest_vocabulary_exports_and_reads_back(tmp_path):
     assert torch.isfinite(model.eval()(ids, ids.roll(-1, 1)))
 
 
+def test_a_one_layer_model_reads_back_its_empty_skip_tensors(tmp_path):
+    """NUM_LAYERS=1 without loops has U-Net skips of 0 rows: written, and read back with their shapes (the reader
+    refused 0 bytes, after a whole training run), and the read-back model loads them."""
+    cfg = tiny_cfg(num_layers=1, num_loops=0, xsa_last_n=1, ve_layers="0")
+    state = {k: v.detach().clone() for k, v in random_model(cfg, seed=2).state_dict().items()}
+    assert {k for k, v in state.items() if v.numel() == 0} == {"skip_weights", "skip_gates"}
+    for coder in ("rans", "fast"):
+        path = tmp_path / f"{coder}.ptz"
+        path.write_bytes(export(state, cfg, coder)[0])
+        stored = tg.read_artifact(path)[1]
+        model = tg.build_model(cfg, tg.Runtime())
+        model.load_state_dict(tg.dequantize_state(stored, model.state_dict(), cfg.num_layers))
+        assert model.state_dict()["skip_weights"].shape == state["skip_weights"].shape == (0, cfg.model_dim)
+
+
 def test_both_coders_read_back_and_older_coders_are_refused():
     """COMPRESSOR=rans and fast give the payload back byte for byte, each marked by its byte; an artifact of a coder
     this script no longer writes (1: xz, 2: the order-0 rANS) is refused with what to do."""

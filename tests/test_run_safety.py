@@ -224,6 +224,24 @@ def test_a_tokenizer_that_is_not_the_datas_is_refused(dataset, tokenizer_path, o
         tg.check_tokenizer(ours, shard, "ours")
 
 
+def test_a_train_shard_of_another_tokenizer_stops_every_rank_with_one_line(dataset, tokenizer_path, other_tokenizer,
+                                                                          tmp_path):
+    """The bad shard is rank 1's to check (2 ranks): every rank raises its error after the sum. Rank 1 alone raising
+    left rank 0 in the sum, to die of a broken connection: a second error line, and a log without the cause."""
+    import shutil
+    import sentencepiece as spm
+    from conftest import write_shard
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    other = spm.SentencePieceProcessor(model_file=str(other_tokenizer))
+    write_shard(data / "fineweb_train_000001.bin", [t for d in sample_text(60, seed=9) for t in [1] + other.encode(d)])
+    r = run_script(tiny_env(data, tokenizer_path, RUN_ID="two"), tmp_path, nproc=2)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error")]
+    assert r.returncode == 1 and len(errors) == 1, r.stderr[-3000:]
+    assert re.search(r"re-encodes only \d+ of the first 50 documents of .*fineweb_train_000001.bin", errors[0])
+    assert "fineweb_train_000001.bin" in (tmp_path / "logs" / "two.txt").read_text().splitlines()[-1]
+
+
 def test_eval_only_and_resume_with_another_tokenizer_stop_naming_both(baseline, dataset, tokenizer_path,
                                                                       other_tokenizer, tmp_path):
     ours, other = (hashlib.sha256(p.read_bytes()).hexdigest() for p in (tokenizer_path, other_tokenizer))
@@ -423,3 +441,57 @@ def test_the_memory_a_process_may_use_is_logged_and_in_the_out_of_memory_note(mo
         with tg.memory_advice(types.SimpleNamespace(device=cuda), "lower X"):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
     assert e.value.__notes__ == ["10.0 GiB free, 3.0 reserved, cap 32.0; lower X"]
+
+
+# =============================================================================================
+# 7. RESUME and EVAL_ONLY take the stored settings first (session 37's review)
+# =============================================================================================
+
+def test_a_model_setting_equal_to_the_stored_one_is_checked_with_the_stored_others(dataset, tokenizer_path, tmp_path):
+    """NUM_HEADS=3, an artifact's and checkpoint's own value, set again: it was validated against the defaults' other
+    model settings first ("MODEL_DIM=512 must divide by NUM_HEADS=3"), which this run never uses."""
+    env = tiny_env(dataset, tokenizer_path, ITERATIONS=2, MODEL_DIM=48, NUM_HEADS=3, NUM_KV_HEADS=1,
+                   CHECKPOINT_EVERY=1000, RUN_ID="h3")
+    assert run_script(env, tmp_path).returncode == 0
+    user = {k: v for k, v in env.items() if k.lower() not in tg.MODEL_SETTINGS or k == "NUM_HEADS"}
+    for extra in (dict(EVAL_ONLY="logs/h3.int6.ptz"), dict(RESUME="logs/h3.ckpt")):
+        r = run_script(dict(user, RUN_ID="again", **extra), tmp_path)
+        assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_resume_with_late_qat_off_trains_without_it(dataset, tokenizer_path, tmp_path, monkeypatch):
+    """A checkpoint taken once late QAT was on, resumed with LATE_QAT_THRESHOLD=0 (off; the log says the environment's
+    value is used): the resumed steps kept fake-quantizing."""
+    env = tiny_env(dataset, tokenizer_path, ITERATIONS=20, LATE_QAT_THRESHOLD=0.5, RUN_ID="q")
+    rc, _, err = run_script_interrupted(env, tmp_path, "late_qat:enabled", signal.SIGTERM)
+    assert rc == 128 + signal.SIGTERM and (tmp_path / "logs" / "q.ckpt").is_file(), err[-2000:]
+    seen, step = [], tg.Trainer.step
+    monkeypatch.setattr(tg.Trainer, "step", lambda self, s, lr: (seen.append((s, self.mode.qat)), step(self, s, lr))[1])
+    monkeypatch.chdir(tmp_path)
+    for k in [k for k in os.environ if k.lower() in tg.SETTINGS]:
+        monkeypatch.delenv(k)
+    for k, v in dict(env, LATE_QAT_THRESHOLD="0", RESUME="logs/q.ckpt", RUN_ID="q_off").items():
+        monkeypatch.setenv(k, str(v))
+    assert tg.main() == 0
+    resumed = [qat for s, qat in seen if s >= 18]
+    assert resumed and not any(resumed), seen
+
+
+def test_eval_only_does_not_need_a_training_batch_that_divides(baseline, dataset, tokenizer_path, tmp_path):
+    """3 ranks score an artifact whose training batch (512 tokens of 32) does not divide by 3: nothing trains."""
+    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY=baseline / "logs" / "base.int6.ptz", RUN_ID="e3"),
+                   tmp_path, nproc=3)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_val_set_without_a_target_to_score_stops_before_training(dataset, tokenizer_path, tmp_path):
+    """One BOS token, or BOS alone: no bytes, so val_bpb would divide by 0 (a traceback after the whole training)."""
+    from conftest import write_shard
+    data = tmp_path / "data"
+    data.mkdir()
+    for f in dataset.glob("fineweb_train_*.bin"):
+        (data / f.name).write_bytes(f.read_bytes())
+    write_shard(data / "fineweb_val_000000.bin", [1])
+    r = run_script(tiny_env(data, tokenizer_path, RUN_ID="v"), tmp_path)
+    assert r.returncode == 1 and "step:" not in r.stdout, r.stdout[-2000:]
+    assert "hold no target but BOS: no bytes to score" in r.stderr, r.stderr[-2000:]

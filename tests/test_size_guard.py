@@ -97,6 +97,8 @@ def test_an_over_budget_artifact_is_quantized_again_on_coarser_grids(lqer):
                                           cfg.int6_scale_floor, hessians[banked[name]], coarsen=f)
         assert f > 1 and torch.equal(scale, (packed[name + ".scale"].float() * f).half())
         assert torch.equal(fitted[name + ".q6"], codes) and torch.equal(fitted[name + ".scale"], scale)
+        # GPTQ'd on the stored fp16 scale, as the reader applies it (not on the product before its rounding)
+        assert torch.equal(codes, tg.gptq_codes(flat[name].float(), hessians[banked[name]], scale.float(), tg.INT6_MAX))
     coded = {n + s for n in grids for s in (".q6", ".scale")}
     lqer_keys = {k for k in packed if k.rsplit(".", 1)[1] in ("lqA", *tg.FORMATS["lqA"].parts)}
     assert all(torch.equal(fitted[k], packed[k]) for k in packed if k not in coded | lqer_keys)
@@ -139,6 +141,24 @@ def serialize(model, cfg, meta, hessians=None, budget=math.inf):
 tg.serialize = serialize
 sys.exit(tg.main())
 """
+
+
+OVER_RUN = """
+import train_gpt as tg
+tg.SIZE_LIMIT_BYTES = 1000  # no grid fits: serialize raises, on rank 0 alone
+tg.entry()
+"""
+
+
+def test_an_export_that_fails_on_rank_0_stops_every_rank_with_its_one_line(tmp_path, dataset, tokenizer_path):
+    """The other ranks raise rank 0's error: waiting in its broadcast, they died of a broken connection (a second,
+    misleading error line)."""
+    cmd, env = _script_command(tiny_env(dataset, tokenizer_path, ITERATIONS="2", RUN_ID="over"), 2)
+    (tmp_path / "over.py").write_text(OVER_RUN)
+    env["PYTHONPATH"] = str(ROOT)
+    r = subprocess.run(cmd[:-1] + ["over.py"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error")]
+    assert r.returncode == 1 and len(errors) == 1 and "left beside the code" in errors[0], r.stderr[-3000:]
 
 
 def test_a_run_over_the_limit_fits_its_export_and_logs_what_it_cost(tmp_path, dataset, tokenizer_path):

@@ -113,6 +113,15 @@ def test_two_ranks_equal_one_rank_with_phases():
     np.testing.assert_allclose(both, one_nll, rtol=1e-5)
 
 
+def test_one_layer_two_ranks_equal_one_rank():
+    """NUM_LAYERS=1: the U-Net skips have no rows, so their weights get no gradient (None); global_sgd's all-reduce
+    of 2 ranks skips them (it crashed on None) and scores as 1 rank does."""
+    tokens, one_layer = make_stream(270).tolist(), PHASED | dict(num_layers=1, ve_layers="0", xsa_last_n=1)
+    one, _ = _phased_on_rank(0, 1, tokens, one_layer)
+    (s0, _), (s1, _) = spawn(_phased_on_rank, 2, tokens, one_layer)
+    assert s0 == s1 and s0[0] == pytest.approx(one[0], rel=1e-7)
+
+
 def test_global_sgd_equals_a_row_by_row_reference():
     """global_sgd on 3 documents against a loop written here: each document cut into rows of EVAL_SEQ_LEN from its
     start, 2 rows (64 tokens) per step, the last chunk skipped, lr 0.05 x cosine over the trained chunks, the mean
