@@ -78,6 +78,10 @@ def test_table_equals_what_the_logs_say(tiny_sweep):
         assert row["ok"] == row["runs"] == 2
         assert row["score"]["mean"] == pytest.approx(statistics.mean(sliding), abs=1e-12)  # no TTT: sliding scores
         assert row["score"]["std"] == pytest.approx(statistics.stdev(sliding), abs=1e-12)
+        assert row["score"]["spread"] == pytest.approx(max(sliding) - min(sliding), abs=1e-12)  # the rule's
+        needed = 2 * max(max(sliding) - min(sliding), sw.RERUN_SPREAD)
+        assert f"seed spread {name}: {max(sliding) - min(sliding):.5f} (max - min; " in r.stdout
+        assert f"a default changes on a difference beyond {needed:.5f})" in r.stdout
         assert row["post_ema"]["mean"] == pytest.approx(statistics.mean(post_ema), abs=1e-12)
         assert row["steps"]["mean"] == statistics.mean(steps) == 10
         assert row["bytes"]["mean"] == pytest.approx(statistics.mean(total))
