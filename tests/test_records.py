@@ -136,9 +136,10 @@ def log_head(seed: int, code: str = CODE, source_extra_newline: bool = True, ttt
             "world_size:8", *(f"setting {k}:{v}" for k, v in sorted(values.items()))]
 
 
-def make_log(folder: Path, seed: int, code: str = CODE, total_bytes: int | None = None, train_ms: int = 599_870,
+def make_log(folder: Path, seed: int, code: str = CODE, total_bytes: int | None = None, train_ms: int = 595_370,
              final: bool = True, ttt: bool = False, source_extra_newline: bool = True, val_docs: int | None = 50_000,
-             settings: dict | None = None) -> tuple[Path, dict]:
+             settings: dict | None = None, checkpoint_ms: int = 1021, calibration_ms: int = 3500,
+             eval_s: float | None = 498.2) -> tuple[Path, dict]:
     """Write a log with train_gpt.py's layout; return its path and the values written into it. val_docs=None
     writes the `val_tokens:` line of an older train_gpt.py (no val_docs count); settings override `setting` lines."""
     code_bytes = len(shipped(code))
@@ -146,6 +147,7 @@ def make_log(folder: Path, seed: int, code: str = CODE, total_bytes: int | None 
     total = model_bytes + code_bytes if total_bytes is None else total_bytes
     val_loss, val_bpb = 1.90 + (seed % 97) * 1e-4 + 0.123456789e-4, 1.12 + (seed % 89) * 1e-4 + 0.987654321e-4
     ttt_loss, ttt_bpb = val_loss - 0.0041, val_bpb - 0.0024
+    score_bpb = ttt_bpb if ttt else val_bpb
     steps = 7100 + seed % 50
     docs = "" if val_docs is None else f" val_docs:{val_docs}"
     lines = [*log_head(seed, code, source_extra_newline, ttt, settings),
@@ -155,7 +157,9 @@ def make_log(folder: Path, seed: int, code: str = CODE, total_bytes: int | None 
     lines += [f"step:{steps}/20000 val_loss:{val_loss - 0.02:.4f} val_bpb:{val_bpb - 0.01:.4f} "
               f"train_time:{train_ms}ms step_avg:{train_ms / steps:.2f}ms",
               f"stopping_early: wallclock_cap train_time:{train_ms}ms step:{steps}/20000",
+              f"checkpoint step:{steps} path:logs/run{seed}.ckpt bytes:270000000 time:{checkpoint_ms}ms",
               f"train_done steps:{steps} train_time:{train_ms}ms",
+              f"gptq_calibration batches:16 time:{calibration_ms}ms reserved:4500ms",
               "peak memory allocated: 22201 MiB reserved: 23000 MiB",
               f"Serialized model int6+lzma: {model_bytes} bytes", f"code_bytes:{code_bytes}",
               f"Total submission size int6+lzma: {total} bytes",
@@ -167,6 +171,10 @@ def make_log(folder: Path, seed: int, code: str = CODE, total_bytes: int | None 
     if ttt:
         lines += [f"legal_ttt val_loss:{ttt_loss:.4f} val_bpb:{ttt_bpb:.4f} eval_time:410000ms",
                   f"legal_ttt_exact val_loss:{ttt_loss:.8f} val_bpb:{ttt_bpb:.8f}"]
+    if eval_s is not None:
+        lines.append(f"summary score:{'legal_ttt' if ttt else 'final_int6_sliding_window'} val_bpb:{score_bpb:.8f} "
+                     f"artifact:logs/run{seed}.int6.ptz total_bytes:{total} train_time:{train_ms / 1000:.1f}s "
+                     f"eval_time:{eval_s:.1f}s eval_wall:{eval_s + 60:.1f}s wall_time:{train_ms / 1000 + eval_s:.1f}s")
     path = folder / f"run{seed}_{len(list(folder.glob('*.txt')))}.txt"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     score = (ttt_loss, ttt_bpb) if ttt else (val_loss, val_bpb)
@@ -267,6 +275,8 @@ def test_script_runs_from_command_line(tmp_path):
     (dict(total_bytes=16_000_001), "over the 16,000,000 limit"),
     (dict(final=False), "no final score line"),
     (dict(train_ms=600_001), "over the 600,000 ms limit"),
+    (dict(train_ms=596_000), "(with the final checkpoint and GPTQ's calibration on train data 600,521 ms) is over"),
+    (dict(eval_s=600.1), "eval_time 600,100 ms is over the 600,000 ms limit"),
     (dict(seed=42), "seed 42 is also used by"),
     (dict(ttt=True), "scored by legal_ttt_exact but"),  # seeds must share one score line
 ])
@@ -293,7 +303,7 @@ def _not_a_log(tmp_path, name: str) -> tuple[Path, str]:
         path.write_text("step:S/N train_loss:X\ntrain_done steps:S train_time:Tms step_avg:Ams\n")
         return path, "line 2 is not as train_gpt.py writes it (no number for steps): 'train_done steps:S train_time:Tms"
     if name == "cut.txt":  # a log whose score line was cut off mid-write
-        log, _ = make_log(tmp_path, 5)
+        log, _ = make_log(tmp_path, 5, eval_s=None)  # no summary line: the score line is the last
         log.write_text(log.read_text().rstrip("\n").rsplit(" ", 1)[0] + "\n")
         path = log.rename(path)
         last = len(path.read_text().splitlines())
