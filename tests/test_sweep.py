@@ -235,6 +235,19 @@ def fake_run(tmp_path, name: str, lines: list[str], rc: int = 0, sleep: float = 
     return sw.Run(name, 1, 0, [], name, {"RUN_ID": name}, [sys.executable, "-c", code])
 
 
+def test_an_eval_only_run_of_a_zstd_artifact_has_no_default_coder_size(tmp_path, monkeypatch):
+    """bytes_auto follows the coder the artifact used (its Total line), not the variant's COMPRESSOR: an EVAL_ONLY
+    run of a zstd artifact, COMPRESSOR unset (rans), reported the zstd size as rANS's."""
+    (tmp_path / "logs").mkdir()
+    monkeypatch.delenv("COMPRESSOR", raising=False)
+    lines = ["setting ttt_enabled:False", "setting eval_only:logs/old.int6.ptz", "model_params:1", "code_bytes:100",
+             "Total submission size int6+zstd: 1000 bytes limit:16000000 headroom:15999000",
+             "final_int6_sliding_window_exact val_loss:2.00000000 val_bpb:1.50000000"]
+    run = fake_run(tmp_path, "evalonly", lines)
+    sw.Executor(None, tmp_path, None, 1).run_slot([run])
+    assert run.ok and run.metrics["bytes"] == 1000.0 and "bytes_auto" not in run.metrics
+
+
 def test_a_run_under_a_coder_set_in_the_environment_is_recoded(tmp_path, monkeypatch):
     """COMPRESSOR from the sweep's environment reaches the runs: their bytes are not the default coder's."""
     (tmp_path / "logs").mkdir()

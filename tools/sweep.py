@@ -512,7 +512,7 @@ def collect(run: Run, cwd: Path, out_path: Path, timed_out: bool) -> None:
         m["step_avg_ms"] = float(log.events["train_done"]["step_avg"].removesuffix("ms"))
     if log.total_bytes is not None:
         m["bytes"], m["code_bytes"] = float(log.total_bytes), float(log.code_bytes)
-        if coder_setting(run.settings) == DEFAULT_CODER:  # already the default coder
+        if log.compressor == DEFAULT_CODER:  # the artifact's own coder (an EVAL_ONLY run's is its artifact's)
             m["bytes_auto"] = m["bytes"]
     if log.peak_mib is not None:
         m["peak_alloc_mib"], m["peak_reserved_mib"] = map(float, log.peak_mib)
