@@ -131,8 +131,10 @@ def main(argv: list[str] | None = None) -> dict:
     model_path = out / "tokenizers" / f"sample_{args.vocab_size}_bpe.model"
     data_dir = out / "datasets" / f"sample_sp{args.vocab_size}"
     try:
-        sp = train_tokenizer(docs[val_docs:], args.vocab_size, model_path)
+        partial = model_path.with_name(model_path.name + ".partial")
+        sp = train_tokenizer(docs[val_docs:], args.vocab_size, partial)
         stats = write_shards(docs, sp, data_dir, val_docs, mark=SAMPLE_MARK)  # train_gpt.py says: not FineWeb
+        partial.replace(model_path)  # last: quickstart.sh takes the tokenizer for a whole sample
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     print(f"sample python:{sys.version.split()[0]} docs:{len(docs)} chars:{sum(map(len, docs))} "

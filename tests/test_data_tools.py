@@ -669,6 +669,21 @@ def test_make_sample_collects_its_documents_before_torch_is_imported():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_an_interrupted_sample_build_leaves_no_tokenizer(tmp_path, monkeypatch):
+    """data/quickstart.sh takes the tokenizer's presence for a whole sample: it is put in place last, so a build
+    stopped in the shards leaves none, and the next quickstart builds the sample again (it trained on a half)."""
+    import make_sample
+    train_tokenizer, _, mark = make_sample._shard_tools()
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(make_sample, "_shard_tools", lambda: (train_tokenizer, stopped, mark))
+    with pytest.raises(KeyboardInterrupt):
+        make_sample.main(["--out", str(tmp_path), "--vocab-size", "512", "--max-docs", "400"])
+    assert not list(tmp_path.rglob("*.model")) and list(tmp_path.rglob("*.model.partial"))
+
+
 def test_make_sample_builds_readable_deterministic_shards(tmp_path):
     trees = []
     for run in ("a", "b"):  # fresh interpreters: the sample must not depend on what the caller imported
