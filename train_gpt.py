@@ -3339,9 +3339,9 @@ class Trainer:
     """Model, optimizers and data through warmup (then a full restore), the timed loop, and checkpoints."""
 
     def __init__(self, cfg: Hyperparameters, rt: Runtime, model: GPT, loader: TrainLoader, log: Logger,
-                 tokenizer: str = ""):
+                 tokenizer: str = "", code: str = ""):
         self.cfg, self.rt, self.model, self.loader, self.log = cfg, rt, model, loader, log
-        self.tokenizer = tokenizer  # its sha256, stored in checkpoints: RESUME checks it
+        self.tokenizer, self.code = tokenizer, code  # their sha256s, stored in checkpoints: RESUME checks them
         self.opt = Optimizers(model, cfg, rt)
         self.fwd = compiled(model, rt)
         self.graphed = self.opt.keep_grads = rt.cuda_graphs  # graphs accumulate into fixed .grad
@@ -3595,7 +3595,8 @@ class Trainer:
         """Everything the loop needs to go on exactly (warmup's snapshot, a checkpoint's content): weights, optimizer,
         EMA, data position, clock, RNG. A collective (the momentum gather); holds references to live tensors."""
         cuda = self.rt.device.type == "cuda"
-        return dict(settings=asdict(self.cfg), tokenizer_sha256=self.tokenizer, model=self.model.state_dict(),
+        return dict(settings=asdict(self.cfg), tokenizer_sha256=self.tokenizer, code_sha256=self.code,
+                    model=self.model.state_dict(),
                     opt=self.opt.state_dict(), ema=ema.shadow if ema is not None else None,
                     loader=self.loader.state_dict(), rng=torch.get_rng_state(),
                     cuda_rng=torch.cuda.get_rng_state(self.rt.device) if cuda else None, clock=clock)
@@ -3772,13 +3773,13 @@ def precompile_eval(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scor
 
 
 def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: dict | None,
-          tokenizer: str) -> tuple[GPT, dict | None, float, int, float]:
+          tokenizer: str, code: str = "") -> tuple[GPT, dict | None, float, int, float]:
     """(trained model, EMA applied; GPTQ's Hessians or None; training ms; stopping signal or 0; train_done's time)."""
     model, files = build_model(cfg, rt), shard_files(cfg.data_path, "train")
     loader = TrainLoader(files, cfg, rt)
     log(f"train_data shards:{len(files)} tokens:{loader.tokens} epochs_at_max_iterations:"
         f"{cfg.iterations * cfg.train_batch_tokens / max(loader.tokens, 1):.2f} sampling:{cfg.train_sampling}")
-    trainer = Trainer(cfg, rt, model, loader, log, tokenizer)
+    trainer = Trainer(cfg, rt, model, loader, log, tokenizer, code)
     if ckpt is None or not ckpt["clock"].get("done"):  # a finished run's checkpoint trains no more
         trainer.warmup()
     ema = EMA(model, cfg.ema_horizon, cfg.ema_decay) if cfg.ema_enabled else None
@@ -3874,6 +3875,9 @@ def main() -> int:
         names = tuple(n for n in SETTINGS if n not in ("run_id", "resume", "eval_only", "artifact_path"))
         cfg, more = adopt_settings(cfg, ckpt["settings"], names, explicit, f"checkpoint {cfg.resume}")
         warnings += more
+        if ckpt.get("code_sha256") not in (None, "", hashlib.sha256(code.encode()).hexdigest()):  # packager refuses
+            warnings.append(f"checkpoint {cfg.resume} was written by another train_gpt.py: a record of this run "
+                            "ships this one, which did not train all of it")
     stored = read_artifact(cfg.eval_only) if cfg.eval_only else None
     if stored is not None:
         cfg, _ = adopt_settings(cfg, stored[0]["settings"], MODEL_SETTINGS, explicit, f"artifact {cfg.eval_only}")
@@ -3929,7 +3933,8 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
         accum = rt.grad_accum_steps
         with memory_advice(rt, f"GRAD_ACCUM_STEPS={2 * accum} halves the micro-batch (the same global batch and "
                            "math); CUDA_GRAPHS=0 frees the graphs' pool in the optimizer step"):
-            model, hessians, train_ms, stopped_by, eval_start = train(cfg, rt, log, scorer, ckpt, tokenizer)
+            model, hessians, train_ms, stopped_by, eval_start = train(cfg, rt, log, scorer, ckpt, tokenizer,
+                                                                      hashlib.sha256(code.encode()).hexdigest())
         if stopped_by:
             if rt.is_main:  # nothing exported: the claim goes back
                 Path(cfg.artifact_path).unlink(missing_ok=True)

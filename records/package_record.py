@@ -174,6 +174,7 @@ class RunLog:
     error: str | None = None  # `<Type>: <msg>` of the first `error ` line (the run ended with an exception)
     stepped: bool = False  # a `step:N/M ...` line: training steps ran (or were validated)
     checkpoint_ms: float = 0.0  # the checkpoints' writes before train_done: the loop's clock pauses for them
+    other_code: str | None = None  # a `warning` that the run resumed a checkpoint another train_gpt.py wrote
 
     @property
     def failed_at_start(self) -> bool:
@@ -302,6 +303,8 @@ def parse_log(path: Path) -> RunLog:
         elif event == "checkpoint" and "train_done" not in run.events and _is_number(t := _key_values(line).get(
                 "time", "")):
             run.checkpoint_ms += _ms(t)
+        elif event == "warning" and "was written by another train_gpt.py" in line:
+            run.other_code = line.removeprefix("warning ")
         elif event == "sample_data:":
             run.sample_data = True
         elif event.startswith("val_tokens:"):
@@ -345,6 +348,9 @@ def problems_of(run: RunLog, allow_partial_val: bool = False) -> list[str]:
         out.append(f"the run failed: `error {run.error}`")
     if run.sample_data:
         out.append("trained or scored on the offline sample (data/make_sample.py), not FineWeb")
+    if run.other_code is not None:
+        out.append(f"resumed under other code ({run.other_code}): the record would ship code that did not train "
+                   "all of its model")
     if run.settings.get("eval_only"):
         out.append(f"an EVAL_ONLY run (it scored the artifact {run.settings['eval_only']}, it trained nothing)")
     if allow_partial_val:  # the record is marked not a submission instead (build_submission)

@@ -21,7 +21,7 @@ import pytest
 import sentencepiece as spm
 
 import train_gpt as tg
-from conftest import bos2_tokenizer
+from conftest import bos2_tokenizer, sample_text
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 sys.path.insert(0, str(DATA_DIR))
@@ -679,8 +679,9 @@ def test_an_interrupted_sample_build_leaves_no_tokenizer(tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(make_sample, "_shard_tools", lambda: (train_tokenizer, stopped, mark))
+    monkeypatch.setattr(make_sample, "collect_documents", lambda: sample_text(400, seed=4))
     with pytest.raises(KeyboardInterrupt):
-        make_sample.main(["--out", str(tmp_path), "--vocab-size", "512", "--max-docs", "400"])
+        make_sample.main(["--out", str(tmp_path), "--vocab-size", "512"])
     assert not list(tmp_path.rglob("*.model")) and list(tmp_path.rglob("*.model.partial"))
 
 

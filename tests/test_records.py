@@ -139,7 +139,7 @@ def log_head(seed: int, code: str = CODE, source_extra_newline: bool = True, ttt
 def make_log(folder: Path, seed: int, code: str = CODE, total_bytes: int | None = None, train_ms: int = 595_370,
              final: bool = True, ttt: bool = False, source_extra_newline: bool = True, val_docs: int | None = 50_000,
              settings: dict | None = None, checkpoint_ms: int = 1021, calibration_ms: int = 3500,
-             eval_s: float | None = 498.2) -> tuple[Path, dict]:
+             eval_s: float | None = 498.2, warning: str | None = None) -> tuple[Path, dict]:
     """Write a log with train_gpt.py's layout; return its path and the values written into it. val_docs=None
     writes the `val_tokens:` line of an older train_gpt.py (no val_docs count); settings override `setting` lines."""
     code_bytes = len(shipped(code))
@@ -152,6 +152,7 @@ def make_log(folder: Path, seed: int, code: str = CODE, total_bytes: int | None 
     docs = "" if val_docs is None else f" val_docs:{val_docs}"
     lines = [*log_head(seed, code, source_extra_newline, ttt, settings),
              f"val_tokens:62021846{docs} scored_targets:62021845 eval_batch_seqs:64", "model_params:27000000"]
+    lines[-2:-2] = [] if warning is None else [f"warning {warning}"]
     lines += [f"step:{s}/20000 train_loss:{6.9 - s * 1e-4:.4f} train_time:{s * 83}ms step_avg:83.00ms"
               for s in (1, 2, 500, 1000)]
     lines += [f"step:{steps}/20000 val_loss:{val_loss - 0.02:.4f} val_bpb:{val_bpb - 0.01:.4f} "
@@ -277,6 +278,8 @@ def test_script_runs_from_command_line(tmp_path):
     (dict(train_ms=600_001), "over the 600,000 ms limit"),
     (dict(train_ms=596_000), "(with the final checkpoint and GPTQ's calibration on train data 600,521 ms) is over"),
     (dict(eval_s=600.1), "eval_time 600,100 ms is over the 600,000 ms limit"),
+    (dict(warning="checkpoint logs/a.ckpt was written by another train_gpt.py: a record of this run ships this one, "
+                  "which did not train all of it"), "resumed under other code"),
     (dict(seed=42), "seed 42 is also used by"),
     (dict(ttt=True), "scored by legal_ttt_exact but"),  # seeds must share one score line
 ])

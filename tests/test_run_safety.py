@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_VOCAB, make_cfg, run_script, run_script_interrupted, sample_text, tiny_env
+from conftest import SCRIPT, TINY_VOCAB, make_cfg, run_script, run_script_interrupted, sample_text, tiny_env
 from test_training import make_trainer
 
 import train_gpt as tg
@@ -495,3 +495,16 @@ def test_a_val_set_without_a_target_to_score_stops_before_training(dataset, toke
     r = run_script(tiny_env(data, tokenizer_path, RUN_ID="v"), tmp_path)
     assert r.returncode == 1 and "step:" not in r.stdout, r.stdout[-2000:]
     assert "hold no target but BOS: no bytes to score" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_resume_under_other_code_says_so_and_the_same_code_does_not(dataset, tokenizer_path, tmp_path):
+    """The checkpoint holds its script's sha256: resumed by an edited train_gpt.py, the log warns (the packager
+    refuses such a log: the record would ship code that did not train all of its model)."""
+    env = tiny_env(dataset, tokenizer_path, ITERATIONS=2, CHECKPOINT_EVERY=1000, TTT_ENABLED=0, RUN_ID="c")
+    assert run_script(env, tmp_path).returncode == 0
+    edited = tmp_path / "edited.py"
+    edited.write_text(SCRIPT.read_text() + "# edited\n")
+    for script, warned in ((SCRIPT, False), (edited, True)):
+        r = run_script(dict(env, RESUME="logs/c.ckpt", RUN_ID="r"), tmp_path, script=script)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert ("warning checkpoint logs/c.ckpt was written by another train_gpt.py" in r.stdout) == warned
