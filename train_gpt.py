@@ -3874,7 +3874,8 @@ def main() -> int:
     if ckpt is not None:  # the checkpoint's settings, except what names this run
         names = tuple(n for n in SETTINGS if n not in ("run_id", "resume", "eval_only", "artifact_path"))
         cfg, more = adopt_settings(cfg, ckpt["settings"], names, explicit, f"checkpoint {cfg.resume}")
-        warnings += more
+        done = " where it still acts (a finished run's checkpoint: export and scoring only)"
+        warnings += [w + done if ckpt["clock"].get("done") and w.endswith("is used") else w for w in more]
         if ckpt.get("code_sha256") not in (None, "", hashlib.sha256(code.encode()).hexdigest()):  # packager refuses
             warnings.append(f"checkpoint {cfg.resume} was written by another train_gpt.py: a record of this run "
                             "ships this one, which did not train all of it")
