@@ -23,7 +23,8 @@ artifact_path and resume, which name the run and its own files, may differ), Tot
 existing output folder without --force.
 --allow-partial-val packages runs scored on fewer validation documents (or an unknown number) for checks: the
 record is then marked not a submission (`"not_a_submission": "<why>"` in submission.json and a
-`**NOT A SUBMISSION**` line at the top of README.md).
+`**NOT A SUBMISSION**` line at the top of README.md). So is a record trained on other machines than 8 H100s (the
+`device name:` and `world_size:` lines; submission.json's "hardware" says which).
 A file that is not a train_gpt.py log (missing, unreadable, not UTF-8 text, without the source block its logs start
 with, or with a line the packager reads that lacks its numbers) stops the tool with one stderr line naming it.
 Skipped (one stderr line each, no refusal, so `logs/*.txt` works): a log of a run that failed at the start,
@@ -175,6 +176,8 @@ class RunLog:
     stepped: bool = False  # a `step:N/M ...` line: training steps ran (or were validated)
     checkpoint_ms: float = 0.0  # the checkpoints' writes before train_done: the loop's clock pauses for them
     other_code: str | None = None  # a `warning` that the run resumed a checkpoint another train_gpt.py wrote
+    device: str | None = None  # the `device name:` line's GPU (or cpu)
+    world_size: int | None = None
 
     @property
     def failed_at_start(self) -> bool:
@@ -305,6 +308,10 @@ def parse_log(path: Path) -> RunLog:
             run.checkpoint_ms += _ms(t)
         elif event == "warning" and "was written by another train_gpt.py" in line:
             run.other_code = line.removeprefix("warning ")
+        elif m := re.fullmatch(r"device name:(\S+).*", line):
+            run.device = m[1]
+        elif m := re.fullmatch(r"world_size:(\d+)", line):
+            run.world_size = int(m[1])
         elif event == "sample_data:":
             run.sample_data = True
         elif event.startswith("val_tokens:"):
@@ -459,14 +466,19 @@ def prev_record_losses(paths: list[Path]) -> list[float]:
 
 def build_submission(runs: list[RunLog], meta: dict, prev: list[float] | None) -> dict:
     losses, bpbs = [r.val_loss for r in runs], [r.val_bpb for r in runs]
-    sub = dict(meta)
+    sub, why = dict(meta), []
+    hardware = sorted({f"{r.world_size} x {r.device}" for r in runs})
+    if hardware != [h for h in hardware if re.fullmatch(r"8 x \S*H100\S*", h)]:
+        why.append(f"trained on {' and '.join(hardware)}, not the challenge's 8 x H100")
     partial = [r for r in runs if r.val_docs is None or r.val_docs < FULL_VAL_DOCS]
     if partial:  # only with --allow-partial-val: load_runs refuses them otherwise
-        sub["not_a_submission"] = (
-            f"scored on fewer than the challenge's {FULL_VAL_DOCS:,} validation documents (packaged with "
-            f"--allow-partial-val, for checks only): " + "; ".join(
-                f"seed {r.seed}: " + ("unknown (no val_docs line)" if r.val_docs is None else f"{r.val_docs:,}")
-                for r in partial))
+        why.append(f"scored on fewer than the challenge's {FULL_VAL_DOCS:,} validation documents (packaged with "
+                   f"--allow-partial-val, for checks only): " + "; ".join(
+                       f"seed {r.seed}: " + ("unknown (no val_docs line)" if r.val_docs is None else f"{r.val_docs:,}")
+                       for r in partial))
+    if why:
+        sub["not_a_submission"] = "; ".join(why)
+    sub["hardware"] = hardware
     sub.update(
         val_bpb=round(mean(bpbs), 8), val_loss=round(mean(losses), 8),
         val_bpb_std=round(sample_std(bpbs), 8) if len(runs) > 1 else None,

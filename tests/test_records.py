@@ -126,20 +126,21 @@ def shipped(code: str) -> bytes:
 
 
 def log_head(seed: int, code: str = CODE, source_extra_newline: bool = True, ttt: bool = False,
-             settings: dict | None = None) -> list[str]:
+             settings: dict | None = None, hardware: tuple[str, int] = ("NVIDIA_H100_80GB_HBM3", 8)) -> list[str]:
     """The lines train_gpt.py logs before it reads any data: source, versions, device, settings."""
     values = {"artifact_path": f"logs/run{seed}.int6.ptz", "data_path": "./data/datasets/fineweb10B_sp1024",
               "eval_only": "", "iterations": 20000, "max_wallclock_seconds": 600.0, "num_layers": 11, "resume": "",
               "run_id": f"run{seed}", "seed": seed, "ttt_enabled": int(ttt), **(settings or {})}
     return [pr.SOURCE_START, code + ("\n" if source_extra_newline else "") + pr.SOURCE_END,
-            "versions python:3.11.9 torch:2.11.0+cu128", "device name:NVIDIA_H100_80GB_HBM3 memory_mib:81000 count:8",
-            "world_size:8", *(f"setting {k}:{v}" for k, v in sorted(values.items()))]
+            "versions python:3.11.9 torch:2.11.0+cu128", f"device name:{hardware[0]} memory_mib:81000 count:8",
+            f"world_size:{hardware[1]}", *(f"setting {k}:{v}" for k, v in sorted(values.items()))]
 
 
 def make_log(folder: Path, seed: int, code: str = CODE, total_bytes: int | None = None, train_ms: int = 595_370,
              final: bool = True, ttt: bool = False, source_extra_newline: bool = True, val_docs: int | None = 50_000,
              settings: dict | None = None, checkpoint_ms: int = 1021, calibration_ms: int = 3500,
-             eval_s: float | None = 498.2, warning: str | None = None) -> tuple[Path, dict]:
+             eval_s: float | None = 498.2, warning: str | None = None,
+             hardware: tuple[str, int] = ("NVIDIA_H100_80GB_HBM3", 8)) -> tuple[Path, dict]:
     """Write a log with train_gpt.py's layout; return its path and the values written into it. val_docs=None
     writes the `val_tokens:` line of an older train_gpt.py (no val_docs count); settings override `setting` lines."""
     code_bytes = len(shipped(code))
@@ -150,7 +151,7 @@ def make_log(folder: Path, seed: int, code: str = CODE, total_bytes: int | None 
     score_bpb = ttt_bpb if ttt else val_bpb
     steps = 7100 + seed % 50
     docs = "" if val_docs is None else f" val_docs:{val_docs}"
-    lines = [*log_head(seed, code, source_extra_newline, ttt, settings),
+    lines = [*log_head(seed, code, source_extra_newline, ttt, settings, hardware),
              f"val_tokens:62021846{docs} scored_targets:62021845 eval_batch_seqs:64", "model_params:27000000"]
     lines[-2:-2] = [] if warning is None else [f"warning {warning}"]
     lines += [f"step:{s}/20000 train_loss:{6.9 - s * 1e-4:.4f} train_time:{s * 83}ms step_avg:83.00ms"
@@ -440,6 +441,7 @@ def test_full_validation_set_is_a_submission_with_or_without_the_flag(tmp_path):
         assert run_cli(tmp_path, [p for p, _ in made], *extra) == 0
         sub = json.loads((record_dir(tmp_path) / "submission.json").read_text())
         assert "not_a_submission" not in sub and [s["val_docs"] for s in sub["per_seed"]] == [50_000, 50_000]
+        assert sub["hardware"] == ["8 x NVIDIA_H100_80GB_HBM3"]
         readme = (record_dir(tmp_path) / "README.md").read_text()
         assert "NOT A SUBMISSION" not in readme and "all 50,000 validation documents scored" in readme
 
@@ -534,7 +536,8 @@ def test_packages_a_real_tiny_cpu_run(tmp_path, capsys, dataset, tokenizer_path)
     assert run_cli(tmp_path, all_logs, "--allow-partial-val") == 0
     out = record_dir(tmp_path)
     sub = json.loads((out / "submission.json").read_text())
-    assert sub["not_a_submission"].endswith("seed 1: 40; seed 2: 40")
+    assert sub["not_a_submission"].endswith("seed 1: 40; seed 2: 40") and sub["hardware"] == ["1 x cpu"]
+    assert sub["not_a_submission"].startswith("trained on 1 x cpu, not the challenge's 8 x H100; ")
     assert [s["val_docs"] for s in sub["per_seed"]] == [40, 40]
     finals = []
     for log in logs:
@@ -549,3 +552,13 @@ def test_packages_a_real_tiny_cpu_run(tmp_path, capsys, dataset, tokenizer_path)
     shipped = (out / "train_gpt.py").read_bytes()
     assert shipped == tg.shipped_code(script.read_text(encoding="utf-8")) and len(shipped) == sub["bytes_code"]
     assert len(shipped) < 0.4 * len(script.read_bytes())  # xz + base85 of the source
+
+
+def test_runs_on_other_machines_are_marked_not_a_submission(tmp_path):
+    """Four H200s (this project's GPU machine) are not the challenge's 8 H100s: packaged, marked, and said where."""
+    logs = [make_log(tmp_path, s, hardware=("NVIDIA_H200", 4))[0] for s in (1, 2)]
+    assert run_cli(tmp_path, logs) == 0
+    sub = json.loads((record_dir(tmp_path) / "submission.json").read_text())
+    assert sub["hardware"] == ["4 x NVIDIA_H200"]
+    assert sub["not_a_submission"] == "trained on 4 x NVIDIA_H200, not the challenge's 8 x H100"
+    assert "**NOT A SUBMISSION**: trained on 4 x NVIDIA_H200" in (record_dir(tmp_path) / "README.md").read_text()
