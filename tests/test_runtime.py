@@ -67,11 +67,14 @@ def test_memory_plan_takes_the_fewest_micro_batches_and_most_ttt_rows_that_fit(g
         assert tg.resolve_ttt_rows(dataclasses.replace(cfg, ngram_tilt_enabled=False), budget) == 24  # no counts
 
 
-@pytest.mark.parametrize("gib, accum, rows, warned", [(20, 32, 16, []), (1, 128, 8, ["GRAD_ACCUM", "TTT_BATCH"])])
+@pytest.mark.parametrize("gib, accum, rows, warned", [(20, 32, 16, []), (1, 128, 8, ["GRAD_ACCUM", "TTT_BATCH"]),
+                                                     (16, 32, 8, ["GLOBAL_TTT_CHUNK_TOKENS"])])
 def test_the_memory_plan_reaches_the_runtime_and_the_log(monkeypatch, gib, accum, rows, warned):
     """init_runtime takes memory_budget's figure (stubbed: no GPU here) into Runtime, and log_header says the plan:
     the budget, the micro-batch and rows with their estimates, and a warning naming the setting for an estimate over
-    the budget (1 GiB: even 128 micro-batches and 8 rows are over)."""
+    the budget (1 GiB: even 128 micro-batches and 8 rows are over). Phased TTT's SGD takes 16 rows on one rank
+    (GLOBAL_TTT_CHUNK_TOKENS / EVAL_SEQ_LEN) whatever TTT_BATCH_SIZE: at 16 GiB, 8 lora rows fit and its 16 do not
+    (the plan counted the lora rows only, and warned of nothing)."""
     cfg, _ = tg.Hyperparameters.from_env({})
     monkeypatch.setattr(tg, "memory_budget", lambda device: gib * 2 ** 30)
     rt = tg.init_runtime(cfg, {})
@@ -81,8 +84,9 @@ def test_the_memory_plan_reaches_the_runtime_and_the_log(monkeypatch, gib, accum
     log.path = "logs/x.txt"
     tg.log_header(log, cfg, rt, [], "", 0)
     micro = 786432 // accum
-    est = micro * 512 * 17 * 53 / 2 ** 30, (rows * 2048 * 512 * 17 * 55 + 110 * 47851520) / 2 ** 30
-    want = f"memory_plan budget:{gib:.1f} micro_batch_tokens:{micro} est:{est[0]:.1f} ttt_rows:{rows} est:{est[1]:.1f}"
+    est = micro * 512 * 17 * 53 / 2 ** 30, (16 * 2048 * 512 * 17 * 55 + 110 * 47851520) / 2 ** 30  # 16 SGD rows
+    want = (f"memory_plan budget:{gib:.1f} micro_batch_tokens:{micro} est:{est[0]:.1f} ttt_rows:{rows} "
+            f"global_sgd_rows:16 est:{est[1]:.1f}")
     assert want in lines
     warnings = [x for x in lines if x.startswith("warning memory_plan")]
     assert len(warnings) == len(warned) and all(w in x for w, x in zip(warned, warnings))
