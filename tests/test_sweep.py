@@ -472,7 +472,7 @@ RECORDER = '''
 def run(cfg, *more):  # trains nothing: records the settings this run ended up with
     Path(f"logs/{cfg.run_id}.settings.json").write_text(json.dumps(asdict(cfg)))
     if cfg.checkpoint_every > 0:  # the first variant's "final checkpoint": RESUME takes the settings from it
-        Path(f"logs/{cfg.run_id}.ckpt").write_text(json.dumps(dict(settings=asdict(cfg))))
+        Path(f"logs/{cfg.run_id}.ckpt").write_text(json.dumps(dict(settings=asdict(cfg), clock=dict(done=True))))
     return 0
 
 
