@@ -449,14 +449,21 @@ def test_the_memory_a_process_may_use_is_logged_and_in_the_out_of_memory_note(mo
 
 def test_a_model_setting_equal_to_the_stored_one_is_checked_with_the_stored_others(dataset, tokenizer_path, tmp_path):
     """NUM_HEADS=3, an artifact's and checkpoint's own value, set again: it was validated against the defaults' other
-    model settings first ("MODEL_DIM=512 must divide by NUM_HEADS=3"), which this run never uses."""
+    model settings first ("MODEL_DIM=512 must divide by NUM_HEADS=3"), which this run never uses. The checkpoint
+    holds its script's sha256: resumed by an edited train_gpt.py, the log warns (the packager refuses such a log:
+    the record would ship code that did not train all of its model); by the same one, not."""
     env = tiny_env(dataset, tokenizer_path, ITERATIONS=2, MODEL_DIM=48, NUM_HEADS=3, NUM_KV_HEADS=1,
-                   CHECKPOINT_EVERY=1000, RUN_ID="h3")
+                   CHECKPOINT_EVERY=1000, TTT_ENABLED=0, RUN_ID="h3")
     assert run_script(env, tmp_path).returncode == 0
     user = {k: v for k, v in env.items() if k.lower() not in tg.MODEL_SETTINGS or k == "NUM_HEADS"}
-    for extra in (dict(EVAL_ONLY="logs/h3.int6.ptz"), dict(RESUME="logs/h3.ckpt")):
-        r = run_script(dict(user, RUN_ID="again", **extra), tmp_path)
+    edited = tmp_path / "edited.py"
+    edited.write_text(SCRIPT.read_text() + "# edited\n")
+    for extra, script in ((dict(EVAL_ONLY="logs/h3.int6.ptz"), SCRIPT), (dict(RESUME="logs/h3.ckpt"), SCRIPT),
+                          (dict(RESUME="logs/h3.ckpt"), edited)):
+        r = run_script(dict(user, RUN_ID="again", **extra), tmp_path, script=script)
         assert r.returncode == 0, r.stderr[-2000:]
+        warned = "warning checkpoint logs/h3.ckpt was written by another train_gpt.py" in r.stdout
+        assert warned == (script == edited), r.stdout[-2000:]
 
 
 def test_a_resume_with_late_qat_off_trains_without_it(dataset, tokenizer_path, tmp_path, monkeypatch):
@@ -479,8 +486,8 @@ def test_a_resume_with_late_qat_off_trains_without_it(dataset, tokenizer_path, t
 
 def test_eval_only_does_not_need_a_training_batch_that_divides(baseline, dataset, tokenizer_path, tmp_path):
     """3 ranks score an artifact whose training batch (512 tokens of 32) does not divide by 3: nothing trains."""
-    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY=baseline / "logs" / "base.int6.ptz", RUN_ID="e3"),
-                   tmp_path, nproc=3)
+    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY=baseline / "logs" / "base.int6.ptz", TTT_ENABLED=0,
+                            RUN_ID="e3"), tmp_path, nproc=3)
     assert r.returncode == 0, r.stderr[-2000:]
 
 
@@ -496,15 +503,3 @@ def test_a_val_set_without_a_target_to_score_stops_before_training(dataset, toke
     assert r.returncode == 1 and "step:" not in r.stdout, r.stdout[-2000:]
     assert "hold no target but BOS: no bytes to score" in r.stderr, r.stderr[-2000:]
 
-
-def test_a_resume_under_other_code_says_so_and_the_same_code_does_not(dataset, tokenizer_path, tmp_path):
-    """The checkpoint holds its script's sha256: resumed by an edited train_gpt.py, the log warns (the packager
-    refuses such a log: the record would ship code that did not train all of its model)."""
-    env = tiny_env(dataset, tokenizer_path, ITERATIONS=2, CHECKPOINT_EVERY=1000, TTT_ENABLED=0, RUN_ID="c")
-    assert run_script(env, tmp_path).returncode == 0
-    edited = tmp_path / "edited.py"
-    edited.write_text(SCRIPT.read_text() + "# edited\n")
-    for script, warned in ((SCRIPT, False), (edited, True)):
-        r = run_script(dict(env, RESUME="logs/c.ckpt", RUN_ID="r"), tmp_path, script=script)
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert ("warning checkpoint logs/c.ckpt was written by another train_gpt.py" in r.stdout) == warned
