@@ -652,7 +652,7 @@ def test_the_shipped_stub_runs_alone_and_scores_as_the_readable_file(dataset, to
     assert artifacts["stub"] == artifacts["readable"]
     run = tmp_path / "stub"
     if tg.triton is not None:  # the kernels were defined from the unpacked source: Triton read it back
-        probe = run_script({"PYTHONPATH": ""}, run, script=_probe(tmp_path, stub))
+        probe = run_script({"PYTHONPATH": "", "KERNELS": "triton"}, run, script=_probe(tmp_path, stub))  # interpreter
         assert probe.returncode == 0 and probe.stdout.strip() == "kernel source found", probe.stderr[-2000:]
 
 

@@ -295,6 +295,7 @@ def test_kernels_setting_resolves_and_refuses_what_cannot_run(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")  # the CPU without the interpreter cannot run the kernels
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         tg.init_runtime(make_cfg(KERNELS="triton", **tiny), {})
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter, but no triton package
     monkeypatch.setattr(tg, "triton", None)
     with pytest.raises(ValueError, match="KERNELS=triton needs the triton package"):
         tg.init_runtime(make_cfg(KERNELS="triton", **tiny), {})
