@@ -482,7 +482,7 @@ ADDED_MODEL_SETTINGS = {"smear_gate_enabled": False, "asym_logit_rescale": False
 
 
 def adopt_settings(cfg: Hyperparameters, stored: dict, names: tuple[str, ...], explicit: set[str],
-                   source: str) -> tuple[Hyperparameters, list[str]]:
+                   source: str, used: str = "the environment's value is used") -> tuple[Hyperparameters, list[str]]:
     """cfg with the settings `names` of an artifact or checkpoint (`stored`); one the environment sets (`explicit`)
     keeps its value, with a warning, or an error for a model setting (another model). Returns (config, warnings)."""
     dropped = sorted(n for n in stored if n.upper() in DROPPED_SETTINGS)
@@ -497,7 +497,7 @@ def adopt_settings(cfg: Hyperparameters, stored: dict, names: tuple[str, ...], e
         msg = f"{n.upper()}={getattr(cfg, n)} but {source} was made with {n.upper()}={stored[n]}"
         if n in MODEL_SETTINGS:
             raise ValueError(f"{msg}: leave {n.upper()} unset to use the stored value")
-        warnings.append(f"{msg}; the environment's value is used")
+        warnings.append(f"{msg}; {used}")
     cfg = replace(cfg, **{n: stored[n] for n in names if n not in explicit})
     cfg.validate()
     return cfg, warnings
@@ -3877,14 +3877,15 @@ def main() -> int:
     # the readable source: this file, or what the shipped stub (shipped_code) unpacked before running it
     code = globals().get("READABLE_SOURCE") or Path(__file__).read_text(encoding="utf-8")
     cfg, warnings = Hyperparameters.from_env()
-    explicit = {n for n in SETTINGS if n.upper() in os.environ}
+    explicit, code_sha = {n for n in SETTINGS if n.upper() in os.environ}, hashlib.sha256(code.encode()).hexdigest()
     ckpt = read_checkpoint(cfg.resume) if cfg.resume else None
     if ckpt is not None:  # the checkpoint's settings, except what names this run
         names = tuple(n for n in SETTINGS if n not in ("run_id", "resume", "eval_only", "artifact_path"))
-        cfg, more = adopt_settings(cfg, ckpt["settings"], names, explicit, f"checkpoint {cfg.resume}")
-        done = " where it still acts (a finished run's checkpoint: export and scoring only)"
-        warnings += [w + done if ckpt["clock"].get("done") and w.endswith("is used") else w for w in more]
-        if ckpt.get("code_sha256") not in (None, "", hashlib.sha256(code.encode()).hexdigest()):  # packager refuses
+        used = "the environment's value is used" + (" where it still acts (a finished run's checkpoint: export and "
+                                                    "scoring only)" if ckpt["clock"].get("done") else "")
+        cfg, more = adopt_settings(cfg, ckpt["settings"], names, explicit, f"checkpoint {cfg.resume}", used)
+        warnings += more
+        if ckpt.get("code_sha256") not in (None, "", code_sha):  # the packager refuses such a run's log
             warnings.append(f"checkpoint {cfg.resume} was written by another train_gpt.py: a record of this run "
                             "ships this one, which did not train all of it")
     stored = read_artifact(cfg.eval_only) if cfg.eval_only else None
@@ -3908,7 +3909,7 @@ def main() -> int:
     for s in STOP_SIGNALS:  # the training loop stops at a step's end on the first one
         signal.signal(s, raise_interrupted)
     try:
-        return run(cfg, rt, log, code, warnings, ckpt, stored, tokenizer)
+        return run(cfg, rt, log, code, warnings, ckpt, stored, tokenizer, code_sha)
     except BaseException as e:  # say how to finish from what is on disk
         artifact, trained = Path(cfg.eval_only or cfg.artifact_path), Path("logs") / f"{cfg.run_id}.ckpt"
         resume, written = trained if trained.is_file() else cfg.resume, artifact.is_file() and artifact.stat().st_size
@@ -3926,7 +3927,7 @@ def main() -> int:
 
 
 def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: list[str], ckpt: dict | None,
-        stored: tuple | None, tokenizer: str) -> int:
+        stored: tuple | None, tokenizer: str, code_sha: str = "") -> int:
     """The pipeline: train -> export -> score the artifact file (and TTT on it); EVAL_ONLY scores `stored`."""
     t_start, code_bytes = time.perf_counter(), shipped_bytes(code)
     torch.manual_seed(cfg.seed)
@@ -3942,8 +3943,7 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
         accum = rt.grad_accum_steps
         with memory_advice(rt, f"GRAD_ACCUM_STEPS={2 * accum} halves the micro-batch (the same global batch and "
                            "math); CUDA_GRAPHS=0 frees the graphs' pool in the optimizer step"):
-            model, hessians, train_ms, stopped_by, eval_start = train(cfg, rt, log, scorer, ckpt, tokenizer,
-                                                                      hashlib.sha256(code.encode()).hexdigest())
+            model, hessians, train_ms, stopped_by, eval_start = train(cfg, rt, log, scorer, ckpt, tokenizer, code_sha)
         if stopped_by:
             if rt.is_main:  # nothing exported: the claim goes back
                 Path(cfg.artifact_path).unlink(missing_ok=True)
