@@ -665,8 +665,8 @@ def test_cudnn_frontend_equals_the_document_mask(monkeypatch, name):
 def test_fa3_varlen_matches_the_varlen_kernel_on_the_gpu(fa3_standin):
     """The same call on the GPU, in bf16 under autocast, against torch's varlen_attn: within bf16 tolerance."""
     cuda = torch.device("cuda")
-    varlen = perturbed_feature_model("full", DOC_ISOLATION=1).to(cuda)
-    fa3 = perturbed_feature_model("full", DOC_ISOLATION=1).to(cuda)
+    varlen = perturbed_feature_model("full", DOC_ISOLATION=1).float().to(cuda)  # autocast leaves float64 alone
+    fa3 = perturbed_feature_model("full", DOC_ISOLATION=1).float().to(cuda)
     varlen.attn_backend, fa3.attn_backend = "varlen", "fa3"
     ids = torch.randint(2, fa3.cfg.vocab_size, (4, 256), generator=torch.Generator().manual_seed(7)).to(cuda)
     ids[:, ::37] = tg.BOS_ID
