@@ -663,15 +663,21 @@ def test_cudnn_frontend_equals_the_document_mask(monkeypatch, name):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernel needs a GPU")
 def test_fa3_varlen_matches_the_varlen_kernel_on_the_gpu(fa3_standin):
-    """The same call on the GPU, in bf16 under autocast, against torch's varlen_attn: within bf16 tolerance."""
+    """The same call on the GPU, in bf16 under autocast: its logits' error against the float64 masked math backend
+    is within twice torch's varlen kernel's (bf16 noise through the layers; a leak across documents is order 1)."""
     cuda = torch.device("cuda")
-    varlen = perturbed_feature_model("full", DOC_ISOLATION=1).float().to(cuda)  # autocast leaves float64 alone
-    fa3 = perturbed_feature_model("full", DOC_ISOLATION=1).float().to(cuda)
-    varlen.attn_backend, fa3.attn_backend = "varlen", "fa3"
+    ref = perturbed_feature_model("full", DOC_ISOLATION=1).to(cuda)
+    varlen, fa3 = (perturbed_feature_model("full", DOC_ISOLATION=1).float().to(cuda) for _ in range(2))
+    varlen.attn_backend, fa3.attn_backend = "varlen", "fa3"  # float32 weights: autocast leaves float64 alone
     ids = torch.randint(2, fa3.cfg.vocab_size, (4, 256), generator=torch.Generator().manual_seed(7)).to(cuda)
     ids[:, ::200] = tg.BOS_ID  # 2 documents a row: 8 segments, all document_segments holds (B + B*T/256; TrainLoader)
-    with torch.no_grad(), tg.autocast(cuda):
-        torch.testing.assert_close(fa3.logits(ids).float(), varlen.logits(ids).float(), rtol=2e-2, atol=2e-2)
+    with torch.no_grad():
+        want = ref.logits(ids)
+        with tg.autocast(cuda):
+            err = {m.attn_backend: (m.logits(ids).double() - want).abs() for m in (fa3, varlen)}
+    print({k: (v.max().item(), v.mean().item()) for k, v in err.items()})
+    assert ref.attn_backend == "math" and err["fa3"].max() <= 2 * err["varlen"].max()
+    assert err["fa3"].mean() <= 2 * err["varlen"].mean()
 
 
 def test_varlen_loader_refuses_a_batch_with_more_documents_than_cu_seqlens_holds(tmp_path):
