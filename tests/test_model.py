@@ -664,7 +664,8 @@ def test_cudnn_frontend_equals_the_document_mask(monkeypatch, name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernel needs a GPU")
 def test_fa3_varlen_matches_the_varlen_kernel_on_the_gpu(fa3_standin):
     """The same call on the GPU, in bf16 under autocast: its logits' error against the float64 masked math backend
-    is within twice torch's varlen kernel's (bf16 noise through the layers; a leak across documents is order 1)."""
+    is within twice torch's varlen kernel's (bf16 noise through the layers; a leak across documents is order 1).
+    On the H200 (session 38): max 0.1134 both, mean 0.01331 against 0.01325; FA3's causal=False fails it."""
     cuda = torch.device("cuda")
     ref = perturbed_feature_model("full", DOC_ISOLATION=1).to(cuda)
     varlen, fa3 = (perturbed_feature_model("full", DOC_ISOLATION=1).float().to(cuda) for _ in range(2))
@@ -675,7 +676,6 @@ def test_fa3_varlen_matches_the_varlen_kernel_on_the_gpu(fa3_standin):
         want = ref.logits(ids)
         with tg.autocast(cuda):
             err = {m.attn_backend: (m.logits(ids).double() - want).abs() for m in (fa3, varlen)}
-    print({k: (v.max().item(), v.mean().item()) for k, v in err.items()})
     assert ref.attn_backend == "math" and err["fa3"].max() <= 2 * err["varlen"].max()
     assert err["fa3"].mean() <= 2 * err["varlen"].mean()
 
