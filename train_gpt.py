@@ -3,9 +3,8 @@
 Record run:   torchrun --standalone --nproc_per_node=8 train_gpt.py
 One process:  python3 train_gpt.py        (the CPU too: tiny configs, SDPA math, no compile)
 Every setting is an environment variable named after a Hyperparameters field (README lists them all).
-Seed system: PR #399 (parameter banking + Parallel Muon) on the PR #315/#414 model stack. Budget: 3,750 lines,
-at most 20% of the characters prose; a feature earns its lines with a measured gain. PQB, pqb-t: the proxy benchmark,
-by steps and at equal time (records/PERFORMANCE.md "Now").
+Seed system: PR #399 (parameter banking + Parallel Muon) on the PR #315/#414 model stack. A feature earns its lines
+with a measured gain. PQB, pqb-t: the proxy benchmark (records/PERFORMANCE.md "Now").
 
 Sections, each using only those above it: Config, Runtime, Optimizer, Data, Model, Kernels (and build_model),
 Scoring, Legal TTT, Export, Training, main (the pipeline); but TTT_MODE's choices are TTT_MODES' names. Extension
@@ -144,7 +143,7 @@ class Hyperparameters:
                                    True)
     asym_logit_rescale: bool = setting(True, "AsymLogit: two softcaps, s+ on logits >= 0 and s- below, learned from "
                                        "LOGIT_SOFTCAP in training and the phases (the records' never got a "
-                                       "gradient); its loss runs on the torch path", model=True)
+                                       "gradient)", model=True)
     qk_gain_init: float = setting(5.0, "per-head query gain after q/k RMSNorm")
     ln_scale: bool = setting(True, "scale block inputs by 1/sqrt(layer+1)", model=True)
     xsa_last_n: int = setting(11, "exclusive self-attention on the last N layers", NON_NEGATIVE, True)
@@ -188,8 +187,8 @@ class Hyperparameters:
     attn_backend: str = setting("auto", "auto on CUDA: fa3 if importable, else varlen to train with DOC_ISOLATION, "
                                 "else SDPA cudnn; math on CPU; cudnn_fe: the cuDNN frontend's ragged SDPA",
                                 ("auto", "fa3", "flash", "cudnn", "math", "varlen", "cudnn_fe"))
-    kernels: str = setting("auto", "q/k norm+RoPE, XSA, softcap CE (not AsymLogit's): auto = triton on CUDA, torch ops "
-                           "on CPU (triton there needs TRITON_INTERPRET=1)", ("auto", "triton", "torch"))
+    kernels: str = setting("auto", "q/k norm+RoPE, XSA: auto = triton on CUDA, torch ops on CPU (triton there needs "
+                           "TRITON_INTERPRET=1)", ("auto", "triton", "torch"))
     # --- optimizer
     matrix_lr: float = setting(0.028, "Muon lr for the four banks (#2135's; the 04-27 record's 0.026)", NON_NEGATIVE)
     scalar_lr: float = setting(0.02, "AdamW lr for control tensors and small projections", NON_NEGATIVE)
@@ -1470,12 +1469,12 @@ def softcap(logits: Tensor, cap: float | Tensor) -> Tensor:
 
 
 def cross_entropy(logits_NV: Tensor, targets_N: Tensor, reduction: str = "mean") -> Tensor:
-    """Cross entropy in fp32 of the (capped) logits: the torch path's training loss, and every scorer's."""
+    """Cross entropy in fp32 of the (capped) logits: the training loss's, and every scorer's."""
     return F.cross_entropy(logits_NV.float(), targets_N, reduction=reduction)
 
 
-def softcap_loss_reference(logits_NV: Tensor, targets_N: Tensor, cap: float | Tensor) -> Tensor:
-    """Mean training loss of raw logits: what the Triton kernel fuses (it keeps the capped logits in fp32)."""
+def softcap_loss(logits_NV: Tensor, targets_N: Tensor, cap: float | Tensor) -> Tensor:
+    """Mean training loss of raw logits (a fused Triton CE was no faster: 1,088.6 against 1,088.8 ms, H200)."""
     return cross_entropy(softcap(logits_NV, cap), targets_N)
 
 
@@ -1484,10 +1483,9 @@ class Ops:
     """The ops a forward needs that exist twice: as PyTorch ops (below) and as Triton kernels (Kernels)."""
     qk_norm_rope: Callable  # (x_BTHD, cos_TF, sin_TF, gain_H | None) -> BTHD
     xsa: Callable  # (y_BTHD, v_BTKD) -> BTHD
-    loss: Callable  # (raw logits_NV, targets_N, cap) -> mean loss
 
 
-TORCH_OPS = Ops(qk_norm_rope_reference, exclusive_self_attention_reference, softcap_loss_reference)
+TORCH_OPS = Ops(qk_norm_rope_reference, exclusive_self_attention_reference)
 
 # The quantisation grid of late QAT and the export: per-row scale = clip / qmax, floored, stored (so applied) as
 # fp16; codes = round(w / scale) in [-qmax, qmax]. Both clip at the SD clip of the kind (or the row's max, searched).
@@ -1810,8 +1808,7 @@ class GPT(nn.Module):
         return self.softcap_pm if self.cfg.asym_logit_rescale else self.cfg.logit_softcap
 
     def forward(self, ids_BT: Tensor, targets_BT: Tensor, mode: Mode = SCORING) -> Tensor:  # the mean training loss
-        loss = softcap_loss_reference if self.cfg.asym_logit_rescale else self.ops.loss  # the kernel's cap: a float
-        return loss(self.raw_logits(ids_BT, mode=mode).flatten(0, 1), targets_BT.flatten(), self.cap)
+        return softcap_loss(self.raw_logits(ids_BT, mode=mode).flatten(0, 1), targets_BT.flatten(), self.cap)
 
 
 def observe(hessians: dict | None, names: tuple[str, ...], i: int, x_BTC: Tensor) -> Tensor:
@@ -2072,105 +2069,7 @@ exclusive_self_attention_triton.register_autograd(
     lambda ctx, dout: exclusive_self_attention_backward(dout, *ctx.saved_tensors), setup_context=_save_inputs)
 
 
-# Soft-capped cross entropy: inductor's fusion ran at 1.3-1.8 TB/s (libdevice tanh and exp are long); here tanh is
-# 1 - 2 / (2^(2x log2(e) / cap) + 1) (error ~1e-7). One row per program, fp32, the forward keeps its log-sum-exp.
-# Targets are not range-checked here: open_shard checks every token against VOCAB_SIZE.
-if triton is not None:
-    @triton.jit
-    def _softcap(x, CAP: tl.constexpr):
-        """cap * tanh(x / cap) and tanh(x / cap); x and 0 without a cap."""
-        if CAP > 0:
-            t = 1.0 - tl.fdiv(2.0, tl.exp2(x * (2.8853900817779268 / CAP)) + 1.0)  # 2.885... = 2 log2(e)
-            return CAP * t, t
-        else:
-            return x, x * 0.0
-
-    @triton.jit
-    def _softcap_ce_fwd(x_ptr, t_ptr, loss_ptr, lse_ptr, V: tl.constexpr, BV: tl.constexpr, CAP: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64)
-        c = tl.arange(0, BV)
-        z, _ = _softcap(tl.load(x_ptr + r * V + c, mask=c < V, other=0.0).to(tl.float32), CAP)
-        z = tl.where(c < V, z, float("-inf"))
-        m = tl.max(z, 0)
-        lse = m + tl.log(tl.sum(tl.exp2((z - m) * 1.4426950408889634), 0))
-        z_t, _ = _softcap(tl.load(x_ptr + r * V + tl.load(t_ptr + r)).to(tl.float32), CAP)
-        tl.store(loss_ptr + r, lse - z_t)
-        tl.store(lse_ptr + r, lse)
-
-    @triton.jit
-    def _softcap_ce_bwd(x_ptr, t_ptr, lse_ptr, g_ptr, g_stride, dx_ptr, V: tl.constexpr, BV: tl.constexpr,
-                        CAP: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64)
-        c = tl.arange(0, BV)
-        z, t = _softcap(tl.load(x_ptr + r * V + c, mask=c < V, other=0.0).to(tl.float32), CAP)
-        dz = tl.exp2((z - tl.load(lse_ptr + r)) * 1.4426950408889634) - tl.where(c == tl.load(t_ptr + r), 1.0, 0.0)
-        dz = dz * tl.load(g_ptr + r * g_stride)
-        if CAP > 0:
-            dz = dz * (1.0 - t * t)
-        tl.store(dx_ptr + r * V + c, dz.to(dx_ptr.dtype.element_ty), mask=c < V)
-
-
-CE_MAX_VOCAB = 32768  # a row per program, in registers; wider rows take the torch ops (softcap_loss_triton)
-
-
-def _ce_launch_args(logits_NV: Tensor, targets_N: Tensor, cap: float) -> tuple:
-    """Grid, constants, warps forward and backward (record shape, H200: 84 us at 1 warp, 104 us at 4)."""
-    if logits_NV.dim() != 2:
-        raise ValueError(f"softcap_cross_entropy: logits must be (N, V), got {tuple(logits_NV.shape)}")
-    N, V = logits_NV.shape
-    if targets_N.shape != (N,) or targets_N.dtype != torch.int64:
-        raise ValueError(f"softcap_cross_entropy: targets must be int64 ({N},), got {targets_N.dtype} "
-                         f"{tuple(targets_N.shape)}")
-    if V > CE_MAX_VOCAB or cap < 0:
-        raise ValueError(f"softcap_cross_entropy: {V} logits per row, cap {cap}: needs vocab <= {CE_MAX_VOCAB} "
-                         "and cap >= 0 (KERNELS=torch has no such limits)")
-    BV = triton.next_power_of_2(V)
-    return (N,), dict(V=V, BV=BV, CAP=float(cap)), (min(8, max(1, BV // 1024)), min(8, max(1, BV // 256)))
-
-
-@triton_op("softcap_ce")
-def _softcap_ce(logits_NV: Tensor, targets_N: Tensor, cap: float) -> tuple[Tensor, Tensor]:
-    grid, meta, (warps, _) = _ce_launch_args(logits_NV, targets_N, cap)
-    x, t = logits_NV.contiguous(), targets_N.contiguous()
-    loss = torch.empty(x.size(0), dtype=torch.float32, device=x.device)
-    lse = torch.empty_like(loss)
-    torch.library.wrap_triton(_softcap_ce_fwd)[grid](x, t, loss, lse, num_warps=warps, **meta)
-    return loss, lse
-
-
-@triton_op("softcap_ce_backward")
-def _softcap_ce_backward(dloss_N: Tensor, logits_NV: Tensor, targets_N: Tensor, lse_N: Tensor, cap: float) -> Tensor:
-    grid, meta, (_, warps) = _ce_launch_args(logits_NV, targets_N, cap)
-    x, t, g = logits_NV.contiguous(), targets_N.contiguous(), dloss_N.float()
-    dx = torch.empty_like(x)
-    torch.library.wrap_triton(_softcap_ce_bwd)[grid](x, t, lse_N, g, g.stride(0), dx, num_warps=warps, **meta)
-    return dx
-
-
-def _ce_setup(ctx, inputs, output):
-    logits, targets, ctx.cap = inputs
-    ctx.save_for_backward(logits, targets, output[1])
-    ctx.mark_non_differentiable(output[1])  # the log-sum-exp is the backward's, not a result
-
-
-_softcap_ce.register_autograd(  # saved: logits, targets, log-sum-exp
-    lambda ctx, dloss, _dlse: (_softcap_ce_backward(dloss, *ctx.saved_tensors, ctx.cap), None, None),
-    setup_context=_ce_setup)
-
-
-def softcap_cross_entropy(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Tensor:
-    """Per-row fp32 cross entropy of cap * tanh(logits / cap) (cap 0: of the logits), one kernel each way."""
-    return _softcap_ce(logits_NV, targets_N, cap)[0]
-
-
-def softcap_loss_triton(logits_NV: Tensor, targets_N: Tensor, cap: float) -> Tensor:
-    """The training loss through the kernel, or, for rows wider than CE_MAX_VOCAB, the torch ops (logged)."""
-    if logits_NV.size(-1) > CE_MAX_VOCAB:
-        return softcap_loss_reference(logits_NV, targets_N, cap)
-    return softcap_cross_entropy(logits_NV, targets_N, cap).mean()
-
-
-TRITON_OPS = Ops(qk_norm_rope_triton, exclusive_self_attention_triton, softcap_loss_triton) if KERNELS_HERE else None
+TRITON_OPS = Ops(qk_norm_rope_triton, exclusive_self_attention_triton) if KERNELS_HERE else None
 
 
 def build_model(cfg: Hyperparameters, rt: Runtime) -> GPT:
@@ -3673,9 +3572,6 @@ def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[st
             if e > rt.budget:
                 log(f"warning memory_plan: {e / G:.1f} GiB estimated over the {rt.budget / G:.1f} planned for: "
                     f"expect out of memory; {advice}")
-    if rt.kernels == "triton" and (cfg.vocab_size > CE_MAX_VOCAB or cfg.asym_logit_rescale):
-        why = "ASYM_LOGIT_RESCALE=1" if cfg.asym_logit_rescale else f"VOCAB_SIZE {cfg.vocab_size} > {CE_MAX_VOCAB}"
-        log(f"kernels: the training loss runs as torch ops ({why})")
     log(f"outputs log:{log.path} artifact:{cfg.eval_only or cfg.artifact_path}"
         + (f" checkpoints:logs/{cfg.run_id}.ckpt" if cfg.checkpoint_every else ""))
     if not cfg.eval_only:  # known at step 0: a config that will not fit, or one that leaves bytes unused

@@ -40,7 +40,7 @@ def step_flops(cfg: tg.Hyperparameters, model: torch.nn.Module) -> float:
     return 6.0 * matmul * tokens + attn
 
 
-KERNEL_KINDS = (("nccl", ("nccl",)), ("own", ("_qk_norm_rope", "_xsa_", "_softcap_ce_")),  # own: train_gpt.py's Triton kernels
+KERNEL_KINDS = (("nccl", ("nccl",)), ("own", ("_qk_norm_rope", "_xsa_")),  # own: train_gpt.py's Triton kernels
                 ("attention", ("cudnn", "fmha", "flash", "sdpa", "attention")),
                 ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "splitk")))
 PROFILE_STEPS = 3
