@@ -192,11 +192,13 @@ class Hyperparameters:
     # --- optimizer
     matrix_lr: float = setting(0.028, "Muon lr for the four banks (#2135's; the 04-27 record's 0.026)", NON_NEGATIVE)
     scalar_lr: float = setting(0.02, "AdamW lr for control tensors and small projections", NON_NEGATIVE)
-    tied_embed_lr: float = setting(0.03, "AdamW lr for token/bigram/value-embedding tables (tied head)", NON_NEGATIVE)
-    embed_lr: float = setting(0.6, "table lr when embeddings are untied", NON_NEGATIVE)
-    head_lr: float = setting(0.008, "untied lm_head lr", NON_NEGATIVE)
+    tied_embed_lr: float = setting(0.03, "AdamW lr for token/bigram/value-embedding tables (tied head)", NON_NEGATIVE,
+                                   on="tie_embeddings")
+    embed_lr: float = setting(0.6, "table lr when embeddings are untied", NON_NEGATIVE, on="tie_embeddings=0")
+    head_lr: float = setting(0.008, "untied lm_head lr", NON_NEGATIVE, on="tie_embeddings=0")
     muon_momentum: float = setting(0.97, "Muon Nesterov momentum after warmup", FRACTION)
-    muon_momentum_warmup_start: float = setting(0.92, "Muon momentum at step 0", FRACTION)
+    muon_momentum_warmup_start: float = setting(0.92, "Muon momentum at step 0", FRACTION,
+                                                on="muon_momentum_warmup_steps")
     muon_momentum_warmup_steps: int = setting(1500, "linear momentum warmup length", NON_NEGATIVE)
     muon_backend_steps: int = setting(5, "Newton-Schulz iterations", POSITIVE)
     muon_polar_express: bool = setting(True, "Polar Express: per-iteration NS coefficients (the last repeats past 5)")
@@ -345,7 +347,7 @@ class Hyperparameters:
         if key == "ttt_mode" and value in TTT_MODES:  # a mode that runs another's scorer reads its settings
             value = TTT_MODES[value].settings or value
         if why or mode:
-            return why or ("" if value == type(value)(mode)
+            return why or ("" if value == _parse_value(key, mode, type(value).__name__)
                            else f"is {key.upper()}={mode}'s; {key.upper()}={value} ignores it")
         return "" if value else f"is ignored: {key.upper()}={value} turns its feature off"
 
@@ -3350,29 +3352,35 @@ class Trainer:
         all_reduce_sum_(t)
         return t.item() / self.rt.world_size
 
-    def train(self, scorer: Scorer, ema: EMA | None) -> tuple[int, float, int]:
-        """The timed loop from self.clock; returns (steps, training ms, the signal that stopped it or 0)."""
+    def train(self, scorer: Scorer, ema: EMA | None) -> tuple[int, float, int, dict | None]:
+        """The timed loop from self.clock, GPTQ's Hessians, the final checkpoint; returns (steps, training ms, the
+        signal that stopped it or 0, the Hessians or None)."""
         if self.clock.get("done"):
-            return self.clock["step"], self.clock["train_ms"], 0
-        # STOP_SIGNALS: the loop writes a checkpoint at the next step's start and stops
+            step, train_ms = self.clock["step"], self.clock["train_ms"]
+            return step, train_ms, 0, self.end_training(ema, step, train_ms)
+        # STOP_SIGNALS: the loop writes a checkpoint at the next step's start and stops (after the loop: the final)
         self.handlers = {s: signal.signal(s, self.on_signal) for s in STOP_SIGNALS}
         try:
             clocks = TrainClock(self.rt.device, self.clock["train_ms"], self.clock.get("recent_ms"))
-            step, train_ms, stopped = self.finish(ema, clocks, *self.timed_loop(scorer, ema, clocks))
+            step, train_ms, stopped, clock = self.finish(ema, clocks, *self.timed_loop(scorer, ema, clocks))
+            hessians = None if stopped else self.end_training(ema, step, train_ms)
+            # after the Hessians, which end the 600 s (it took 1 s on 2 H200s): no trained model is lost to a later
+            # failure (RESUME=it exports and scores again); run() removes it unless CHECKPOINT_EVERY keeps them
+            try:
+                self.save_checkpoint(ema, clock)
+            except OSError as e:  # a disk that holds the artifact but not the checkpoint still gets the artifact
+                if stopped or self.cfg.checkpoint_every > 0:
+                    raise
+                self.log(f"warning the trained state was not written ({e}): export goes on without it")
         finally:
             for s, handler in self.handlers.items():
                 signal.signal(s, handler)
-        if self.signal and not stopped:  # it came during the final checkpoint, which is on disk now
+        if self.signal and not stopped:  # it came after the loop: the final checkpoint is on disk
             raise Interrupted(self.signal)
         if stopped:
             self.log(f"interrupted by {signal.Signals(stopped).name} at step {step}: resume with "
                      f"RESUME={self.ckpt_path} and the same settings")
-        elif self.graphed:  # scoring and TTT need the graphs' pool and the gradient buffers
-            self.graphs.clear()
-            self.graphed = self.opt.keep_grads = False
-            self.opt.zero_grad()
-            torch.cuda.empty_cache()
-        return step, train_ms, stopped
+        return step, train_ms, stopped, hessians
 
     def on_signal(self, signum: int, _) -> None:
         self.signal = signum
@@ -3423,7 +3431,7 @@ class Trainer:
 
     def finish(self, ema: EMA | None, clocks: TrainClock, step: int, progress: float,
                first_bad: Tensor) -> tuple[int, float, int]:
-        """After the loop: the final checkpoint; returns (steps, training ms, the signal that stopped it or 0)."""
+        """After the loop: (steps, training ms, the signal that stopped it or 0, the final checkpoint's clock)."""
         clocks.pause()
         cap_ms, train_ms = train_cap_ms(self.cfg), clocks.train_ms
         if 0 < cap_ms < train_ms:
@@ -3431,15 +3439,36 @@ class Trainer:
                      f"over_by:{train_ms - cap_ms:.0f}ms")
         self.check_finite(first_bad)
         stopped = int(all_reduce_max(float(self.signal), self.rt.device))  # one in the last step counts
-        # always: no trained model is lost to a failure after training (RESUME=it exports and scores again);
-        # run() removes it at the end unless CHECKPOINT_EVERY keeps them
-        try:
-            self.save_checkpoint(ema, self.where(step, progress, clocks, train_ms, done=not stopped))
-        except OSError as e:  # a disk that holds the artifact but not the checkpoint still gets the artifact
-            if stopped or self.cfg.checkpoint_every > 0:
-                raise
-            self.log(f"warning the trained state was not written ({e}): export goes on without it")
-        return step, train_ms, stopped
+        return step, train_ms, stopped, self.where(step, progress, clocks, train_ms, done=not stopped)
+
+    def end_training(self, ema: EMA | None, steps: int, train_ms: float) -> dict | None:
+        """train_done, then GPTQ's Hessians of the EMA weights (train data: in the 600 s); the live weights put back."""
+        if self.graphed:  # the rest needs the graphs' pool and the gradient buffers
+            self.graphs.clear()
+            self.graphed = self.opt.keep_grads = False
+            self.opt.zero_grad()
+            torch.cuda.empty_cache()
+        cfg, model, log = self.cfg, self.model, self.log
+        if cfg.num_loops > 0 and not self.mode.looping:  # stopped before ENABLE_LOOPING_AT: the repeats still score
+            log(f"layer_loop:enabled after training step:{steps} (scoring, calibration and export run the repeats)")
+        log(f"train_done steps:{steps} train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms")
+        self.done_at = time.perf_counter()
+        if self.rt.device.type == "cuda":
+            log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+        if cfg.gptq_calibration_batches == 0:
+            return None
+        live = [p.detach().clone() for p in model.parameters()] if ema is not None else None
+        if ema is not None:
+            ema.copy_to_model()
+        t0 = now_ms(self.rt.device)
+        hessians = calibrate(model, self.loader, cfg.gptq_calibration_batches)
+        log(f"gptq_calibration batches:{cfg.gptq_calibration_batches} time:{now_ms(self.rt.device) - t0:.0f}ms "
+            f"reserved:{1000 * cfg.max_wallclock_seconds - train_cap_ms(cfg):.0f}ms")
+        if live is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(list(model.parameters()), live)
+        return hessians
 
     def validate(self, scorer: Scorer, step: int, clocks: TrainClock) -> None:
         """VAL_LOSS_EVERY's score, outside the training time, in the loop's mode without QAT."""
@@ -3690,29 +3719,9 @@ def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: 
     if ckpt is not None:
         trainer.load(ckpt, ema)
         log(f"resumed_from:{cfg.resume} step:{trainer.clock['step']} train_time:{trainer.clock['train_ms']:.0f}ms")
-    steps, train_ms, stopped_by = trainer.train(scorer, ema)
+    steps, train_ms, stopped_by, hessians = trainer.train(scorer, ema)
     if stopped_by:
         return model, None, train_ms, stopped_by, 0.0
-    if cfg.num_loops > 0 and not trainer.mode.looping:  # stopped before ENABLE_LOOPING_AT: the repeats still score
-        log(f"layer_loop:enabled after training step:{steps} (scoring, calibration and export run the repeats)")
-    log(f"train_done steps:{steps} train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms")
-    done_at = time.perf_counter()
-    if rt.device.type == "cuda":
-        log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
-            f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-    # the Hessians (train data: the training side of the 600 s) straight after the loop, before any diagnostic score
-    live = [p.detach().clone() for p in model.parameters()] if ema is not None else None
-    if ema is not None:
-        ema.copy_to_model()
-    hessians = None
-    if cfg.gptq_calibration_batches > 0:
-        t0 = now_ms(rt.device)
-        hessians = calibrate(model, trainer.loader, cfg.gptq_calibration_batches)
-        log(f"gptq_calibration batches:{cfg.gptq_calibration_batches} time:{now_ms(rt.device) - t0:.0f}ms "
-            f"reserved:{1000 * cfg.max_wallclock_seconds - train_cap_ms(cfg):.0f}ms")
-    if live is not None:
-        with torch.no_grad():
-            torch._foreach_copy_(list(model.parameters()), live)
     s = scorer(model, cfg.eval_seq_len)
     log(f"step:{steps}/{cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} "
         f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms "
@@ -3722,7 +3731,7 @@ def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: 
         log_score(log, "post_ema", scorer(model, cfg.eval_seq_len))
     if cfg.asym_logit_rescale:  # the caps learned (the records' never left LOGIT_SOFTCAP)
         log("asym_logit_caps pos:{:.4f} neg:{:.4f}".format(*model.softcap_pm.tolist()))
-    return model, hessians, train_ms, 0, done_at
+    return model, hessians, train_ms, 0, trainer.done_at
 
 
 def export(cfg: Hyperparameters, rt: Runtime, log: Logger, model: GPT, hessians: dict | None, meta: dict,

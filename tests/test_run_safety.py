@@ -170,6 +170,31 @@ def test_a_signal_during_the_final_checkpoint_leaves_it_whole(dataset, tokenizer
     assert tg.read_checkpoint("logs/end.ckpt")["clock"]["done"]
 
 
+def test_the_final_checkpoint_follows_the_hessians_and_a_signal_during_them_stops_after_it(dataset, tokenizer_path,
+                                                                                          tmp_path, monkeypatch):
+    """GPTQ's Hessians end the 600 s of training, so the final checkpoint is written after them (it took 1 s on 2
+    H200s); a signal during them finds the loop's handler still there: the checkpoint is written, then the run stops."""
+    lines = []
+    tr = _trainer_with_fake_steps(dataset, tokenizer_path, tmp_path, monkeypatch, GPTQ_CALIBRATION_BATCHES=1)
+    tr.log = lines.append
+    hessians = tg.calibrate
+
+    def signalled(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return hessians(*args)
+    monkeypatch.setattr(tg, "calibrate", signalled)
+    before = signal.signal(signal.SIGTERM, tg.raise_interrupted)  # as main() installs it
+    try:
+        with pytest.raises(tg.Interrupted):
+            tr.train(scorer=None, ema=None)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert tg.read_checkpoint("logs/end.ckpt")["clock"]["done"]
+    order = [next(i for i, x in enumerate(lines) if x.startswith(k)) for k in ("train_done", "gptq_calibration",
+                                                                                  "checkpoint")]
+    assert order == sorted(order)
+
+
 def test_a_failure_after_training_says_how_to_finish(dataset, tokenizer_path, tmp_path, monkeypatch):
     """Any error once the trained state is on disk (export, scoring, TTT out of memory, a lost rank) carries the
     hint; so does an interrupt of a run that resumed a checkpoint and wrote none of its own."""
@@ -356,6 +381,12 @@ def test_settings_that_would_do_nothing_are_reported():
     assert tg.Hyperparameters(iterations=100, warmdown_iters=3500).unread(set()) == []  # capped: by wallclock
     assert tg.Hyperparameters(ema_decay=0.99).unread({"ema_horizon"}) == [
         "setting EMA_HORIZON is EMA_DECAY=0's; EMA_DECAY=0.99 ignores it"]
+    lrs = {"tied_embed_lr", "embed_lr", "head_lr", "muon_momentum_warmup_start"}  # a bool's "=0" is False
+    assert tg.Hyperparameters().unread(lrs) == ["setting EMBED_LR is TIE_EMBEDDINGS=0's; TIE_EMBEDDINGS=True ignores it",
+                                                "setting HEAD_LR is TIE_EMBEDDINGS=0's; TIE_EMBEDDINGS=True ignores it"]
+    assert tg.Hyperparameters(tie_embeddings=False, muon_momentum_warmup_steps=0).unread(lrs) == [
+        "setting TIED_EMBED_LR is ignored: TIE_EMBEDDINGS=False turns its feature off",
+        "setting MUON_MOMENTUM_WARMUP_START is ignored: MUON_MOMENTUM_WARMUP_STEPS=0 turns its feature off"]
 
 
 def test_a_resumed_run_reports_against_the_checkpoints_settings(baseline, dataset, tokenizer_path, tmp_path):

@@ -28,7 +28,8 @@ LOOPS = dict(NUM_LOOPS=1, LOOP_START=0, LOOP_END=1)  # the tiny model's 2 layers
 
 
 def make_trainer(dataset, tokenizer_path, log=None, device=CPU, **overrides) -> tg.Trainer:
-    settings = dict(DEVICE=device.type, COMPILE_ENABLED="0", ATTN_BACKEND="math") | overrides
+    settings = dict(DEVICE=device.type, COMPILE_ENABLED="0", ATTN_BACKEND="math",
+                    GPTQ_CALIBRATION_BATCHES="0") | overrides  # the Hessians at Trainer.train's end: where asked
     cfg, _ = tg.Hyperparameters.from_env(tiny_env(dataset, tokenizer_path, **settings))
     rt = tg.init_runtime(cfg, {})  # one process, whatever this test process's environment says
     torch.manual_seed(cfg.seed)
@@ -270,7 +271,8 @@ def _run_with_fake_clock(dataset, tokenizer_path, monkeypatch, step_ms, ema_ms, 
     def ema_update(progress_delta):
         deltas.append(progress_delta)
         clock.ms += ema_ms
-    steps, train_ms, stopped_by = tr.train(scorer=None, ema=types.SimpleNamespace(update=ema_update))
+    ema = types.SimpleNamespace(update=ema_update, copy_to_model=lambda: None)  # (the Hessians' EMA swap)
+    steps, train_ms, stopped_by, _ = tr.train(scorer=None, ema=ema)
     assert stopped_by == 0
     return steps, train_ms, lines, record, deltas
 
@@ -547,7 +549,7 @@ def test_a_resumed_run_near_the_cap_does_not_overshoot_it(dataset, tokenizer_pat
     ran = []
     tr.step = lambda step, lr: (ran.append(step), setattr(clock, "ms", clock.ms + 100.0), torch.tensor(1.0))[2]
     tr.save_checkpoint = lambda ema, clock_: None  # (the final one: not this test's business, nor its folder's)
-    steps, train_ms, _ = tr.train(scorer=None, ema=None)
+    steps, train_ms, *_ = tr.train(scorer=None, ema=None)
     assert ran == [] and steps == 9 and train_ms <= 1000.0
 
 
