@@ -446,17 +446,27 @@ def load_runs(paths: list[Path], allow_partial_val: bool = False) -> list[RunLog
     return runs
 
 
+FOREIGN_SCORE = re.compile(r"(\S+) val_loss:(\d+\.\d+) val_bpb:\d+\.\d+( .*)?")  # the records' scripts' score lines
+
+
 def prev_record_losses(paths: list[Path]) -> list[float]:
-    """Final val_loss of each previous-record log (same score rule; no other checks, any script's log)."""
+    """Final val_loss of each previous-record log (no other checks, any script's log): ours by the same score rule,
+    another script's by its last score line (the 2026-04-27 record's `quantized_ttt_phased val_loss:...`)."""
     losses = []
     for path in paths:
         try:
             run = parse_log(path)
         except Refusal as e:
             raise Refusal(f"{path}: {e}") from None
-        if run.score_event is None:
-            raise Refusal(f"{path}: previous-record log has no final score line ({' or '.join(SCORE_EVENTS)})")
-        losses.append(run.val_loss)
+        if run.score_event is not None:
+            losses.append(run.val_loss)
+            continue
+        scores = [m for line in path.read_text(encoding="utf-8").splitlines()
+                  if (m := FOREIGN_SCORE.fullmatch(line)) and not m[1].startswith("step:")]
+        if not scores:
+            raise Refusal(f"{path}: previous-record log has no final score line ({' or '.join(SCORE_EVENTS)}, or "
+                          "any script's `NAME val_loss:X val_bpb:Y`)")
+        losses.append(float(scores[-1][2]))
     return losses
 
 

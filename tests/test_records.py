@@ -330,6 +330,26 @@ def test_a_file_that_is_no_log_is_one_line_naming_it(tmp_path, capsys, name):
     assert not (tmp_path / "out").exists()
 
 
+def test_significance_from_another_scripts_logs_takes_their_last_score_line(tmp_path):
+    """The records' own logs (the 2026-04-27 record's tail: its TTT's progress, then its one final line)."""
+    ours = [make_log(tmp_path, s) for s in (1, 2)]
+    prev = []
+    for i, loss in enumerate((2.31944212, 2.32239991, 2.32423994)):
+        path = tmp_path / f"train_seed{i}.log"
+        path.write_text(f"step:4945/20000 val_loss:2.3400 val_bpb:1.0700 train_time:599000ms\n"
+                        f"diagnostic quantized val_loss:{loss + 0.02:.8f} val_bpb:1.07000000 eval_time:9000ms\n"
+                        "ttp: b9/782 bl:2.7610 bb:1.2598 rl:2.3017 rb:1.0495 dl:105-107 gd:1\n"
+                        f"quantized_ttt_phased val_loss:{loss:.8f} val_bpb:1.05989454 eval_time:508785ms\n"
+                        "total_eval_time:508.8s\n", encoding="utf-8")
+        prev.append(path)
+    assert run_cli(tmp_path, [p for p, _ in ours], "--prev-record-logs", *map(str, prev)) == 0
+    sig = json.loads((record_dir(tmp_path) / "submission.json").read_text())["significance"]
+    assert sig["prev_val_losses"] == [2.31944212, 2.32239991, 2.32423994]
+    (tmp_path / "none.log").write_text("step:1/2 val_loss:2.3400 val_bpb:1.0700\nno score here\n", encoding="utf-8")
+    with pytest.raises(pr.Refusal, match="no final score line"):
+        pr.prev_record_losses([tmp_path / "none.log"])
+
+
 def test_a_previous_record_log_that_is_no_log_is_one_line_naming_it(tmp_path):
     good, _ = make_log(tmp_path, 1)
     bad, why = _not_a_log(tmp_path, "artifact.int6.ptz")
