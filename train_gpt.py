@@ -1092,6 +1092,17 @@ CASEOPS_TITLE = "\ue001"  # the first of CaseOps' case operators (U+E001..E004),
 DOC_BOUNDARY_TOKENS = 256  # varlen: room for a document per 256 tokens (FineWeb: 85 in 98K tokens)
 
 
+def span_cuts(cfg: Hyperparameters, T: int) -> int:
+    """The most a row of T's documents are cut by TRAIN_SEQ_SCHEDULE's shortest span."""
+    return (T - 1) // min(n for _, n in cfg.seq_spans) if cfg.seq_spans else 0
+
+
+def segment_room(B: int, T: int, cuts: int = 0) -> int:
+    """varlen's cu_seqlens segments for B rows of T: each row's start and `cuts` span cuts, a document per
+    DOC_BOUNDARY_TOKENS tokens (TrainLoader refuses a micro-batch with more)."""
+    return B * (1 + cuts) + B * T // DOC_BOUNDARY_TOKENS
+
+
 def tokenizer_sha256(path: str) -> str:
     if not Path(path).is_file():
         raise FileNotFoundError(f"TOKENIZER_PATH {path} does not exist: {GET_DATA}")
@@ -1302,14 +1313,14 @@ class TrainLoader:
         self.sampler = sampler(files, cfg.vocab_size, cfg.train_seq_len)
         self.tokens = sum(map(shard_token_count, files))  # with the sampling, what a position is in (RESUME checks it)
         self.data = (f"TRAIN_SAMPLING={cfg.train_sampling} over {len(files)} shards of {self.tokens} tokens, sha256 "
-                     f"of 16 tokens each {shards_fingerprint(files)}")
+                     f"of 16 tokens each {shards_fingerprint(files)}")  # coprime's position counts sequences:
+        self.data += f", TRAIN_SEQ_LEN={cfg.train_seq_len}" if cfg.train_sampling == "coprime" else ""
         self.rt, self.seq_len, self.seqs_per_step = rt, cfg.train_seq_len, cfg.train_batch_tokens // cfg.train_seq_len
         self.seqs_per_micro = self.seqs_per_step // (rt.world_size * rt.grad_accum_steps)
         self.ahead = None  # (sampler state before it, x, y, copy-done event) of the prefetched step
         varlen = cfg.doc_isolation and rt.attn_backend in SEGMENT_BACKENDS
-        self.max_docs = self.seqs_per_micro * (1 + cfg.train_seq_len // DOC_BOUNDARY_TOKENS) if varlen else 0
-        # a row's documents are cut at most (T - 1) // span more times by the shortest span of TRAIN_SEQ_SCHEDULE
-        self.cuts = (cfg.train_seq_len - 1) // min(n for _, n in cfg.seq_spans) if cfg.seq_spans else 0
+        self.cuts = span_cuts(cfg, cfg.train_seq_len)
+        self.max_docs = segment_room(self.seqs_per_micro, cfg.train_seq_len, self.cuts) if varlen else 0
         if rt.device.type == "cuda":
             shape = (rt.grad_accum_steps * self.seqs_per_micro, self.seq_len)
             self.host = [[torch.empty(shape, dtype=torch.int64, pin_memory=True) for _ in "xy"] for _ in "ab"]
@@ -1418,12 +1429,12 @@ def document_mask(ids_BT: Tensor, span: Tensor | None = None) -> Tensor:
     return ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
 
 
-def document_segments(ids_BT: Tensor, span: Tensor | None = None) -> Tensor:
+def document_segments(ids_BT: Tensor, span: Tensor | None = None, cuts: int = 0) -> Tensor:
     """varlen's cu_seqlens (int32) of the flattened rows' segments (segment_starts), padded with B*T to a fixed
-    B + B*T/DOC_BOUNDARY_TOKENS + 1 entries, one compiled shape (TrainLoader refuses more segments)."""
+    segment_room + 1 entries, one compiled shape (TrainLoader refuses more segments)."""
     (B, T), dev = ids_BT.shape, ids_BT.device
     starts = segment_starts(ids_BT, span)
-    nth = torch.arange(1, B + B * T // DOC_BOUNDARY_TOKENS + 1, device=dev)
+    nth = torch.arange(1, segment_room(B, T, cuts) + 1, device=dev)
     return F.pad(torch.searchsorted(starts.flatten().cumsum(0), nth), (0, 1), value=B * T).to(torch.int32)
 
 
@@ -1737,8 +1748,10 @@ class GPT(nn.Module):
         if cfg.ve_layer_list:
             ve_BTK = self.ve.proj(self.ve.embed(ids_BT))
             ve_BTK = ve_BTK * self.ve.scale.to(ve_BTK.dtype)
-        docs = document_segments if self.attn_backend in SEGMENT_BACKENDS else document_mask
-        mask = docs(ids_BT, self.span) if cfg.doc_isolation and not one_doc else None  # once for all layers
+        mask = None
+        if cfg.doc_isolation and not one_doc:  # once for all layers
+            mask = (document_segments(ids_BT, self.span, span_cuts(cfg, ids_BT.size(1)))
+                    if self.attn_backend in SEGMENT_BACKENDS else document_mask(ids_BT, self.span))
         return Pass({k: b.to(dtype) for k, b in banks.items()}, ve_BTK, mask, adapter, hessians)
 
     def skip_in(self, j: int, skip: Tensor, x: Tensor, lanes: tuple | None) -> tuple[Tensor, tuple | None]:
@@ -2706,6 +2719,9 @@ def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dic
             errors[name] = t - fmt.dequantize({p: out[k] for p, k in zip((fmt.kind, *fmt.parts), keys)})
     for name in sorted(errors, key=lambda n: -errors[n].norm().item())[: cfg.lqer_top_k]:
         out.update({f"{name}.{k}": v for k, v in FORMATS["lqA"].quantize(cfg, name, errors[name], None, 1.0).items()})
+    if bad := [k for k, v in out.items() if v.is_floating_point() and not torch.isfinite(v).all()]:  # it scored NaN
+        raise ValueError(f"export: {', '.join(bad)} not finite (a one-column matrix's SD clip: its std is NaN; or "
+                         "weights past fp16's range): set that kind's *_CLIP_SIGMAS=0, the clip search")
     return out
 
 

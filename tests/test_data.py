@@ -237,4 +237,8 @@ def test_coprime_loader_is_split_independent_and_restorable(small_shards, world,
         assert _gathered_step([fresh]) == want
     assert state == {"k": 7 * batch // T, "data": f"TRAIN_SAMPLING=coprime over {len(files)} shards of "
                                                  f"{sum(map(tg.shard_token_count, files))} tokens, sha256 of 16 "
-                                                 f"tokens each {tg.shards_fingerprint(files)}"}
+                                                 f"tokens each {tg.shards_fingerprint(files)}, TRAIN_SEQ_LEN={T}"}
+    other = tg.TrainLoader(files, make_cfg(TRAIN_SEQ_LEN=2 * T, TRAIN_BATCH_TOKENS=batch, TRAIN_SAMPLING="coprime"),
+                           tg.Runtime())
+    with pytest.raises(ValueError, match=f"TRAIN_SEQ_LEN={T}; this run reads .*TRAIN_SEQ_LEN={2 * T}"):
+        other.load_state_dict(state)  # its position counts sequences of T: at 2T it re-read and skipped tokens

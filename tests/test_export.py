@@ -178,6 +178,18 @@ def test_a_one_layer_model_reads_back_its_empty_skip_tensors(tmp_path):
         assert model.state_dict()["skip_weights"].shape == state["skip_weights"].shape == (0, cfg.model_dim)
 
 
+@pytest.mark.filterwarnings(r"ignore:std\(\)")  # torch says the std of one value is undefined
+def test_a_one_column_table_under_an_sd_clip_is_refused_not_written_as_nan():
+    """BIGRAM_DIM=1: a row of one value has no std (NaN), so every scale was NaN and the artifact scored NaN (a
+    review); the clip search codes it."""
+    cfg = tiny_cfg(bigram_dim=1, bigram_vocab_size=70_000, embed_clip_sigmas=14.0)  # a coded table, SD clip
+    state = {k: v.detach().clone() for k, v in random_model(cfg, seed=3).state_dict().items()}
+    with pytest.raises(ValueError, match=r"export: bigram\.embed\.weight\.\w+ not finite .*CLIP_SIGMAS=0"):
+        tg.quantize_state(state, cfg)
+    out = tg.quantize_state(state, tg.replace(cfg, embed_clip_sigmas=0.0))
+    assert all(torch.isfinite(v).all() for v in out.values() if v.is_floating_point())
+
+
 def test_both_coders_read_back_and_older_coders_are_refused():
     """COMPRESSOR=rans and fast give the payload back byte for byte, each marked by its byte; an artifact of a coder
     this script no longer writes (1: xz, 2: the order-0 rANS) is refused with what to do."""

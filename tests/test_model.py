@@ -596,6 +596,23 @@ def test_varlen_backend_equals_the_document_mask(monkeypatch, name):
     assert_backend_equals_the_document_mask(name, "varlen")
 
 
+def test_varlen_with_span_cuts_equals_the_document_mask(monkeypatch):
+    """TRAIN_SEQ_SCHEDULE's span on ATTN_BACKEND=varlen: cu_seqlens hold every cut beside the documents (without
+    their room the last segments merged), so the logits equal the math backend's mask."""
+    import torch.nn.attention.varlen as varlen_module
+    monkeypatch.setattr(varlen_module, "varlen_attn", varlen_reference)
+    monkeypatch.setattr(tg, "DOC_BOUNDARY_TOKENS", 4)
+    masked, model = (perturbed_feature_model("full", DOC_ISOLATION=1, TRAIN_SEQ_LEN=24,
+                                             TRAIN_SEQ_SCHEDULE="3@0.5,24@1.0") for _ in range(2))
+    model.attn_backend = "varlen"
+    ids = torch.randint(2, masked.cfg.vocab_size, (3, 24), generator=torch.Generator().manual_seed(6))
+    ids[0, [4, 9]] = ids[1, 0] = ids[2, [1, 2, 20]] = tg.BOS_ID
+    for m in (masked, model):
+        m.span.fill_(3)
+    assert tg.segment_starts(ids, model.span).sum() > tg.segment_room(3, 24)  # more than the documents' room
+    torch.testing.assert_close(model.logits(ids), masked.logits(ids), rtol=1e-9, atol=1e-9)
+
+
 def assert_backend_equals_the_document_mask(name: str, backend: str) -> tuple[tg.GPT, torch.Tensor]:
     """A DOC_ISOLATION model on `backend`: its logits and gradients equal the math backend's masked SDPA (float64) on
     rows of several documents. Returns the model and the ids."""
@@ -678,6 +695,25 @@ def test_fa3_varlen_matches_the_varlen_kernel_on_the_gpu(fa3_standin):
             err = {m.attn_backend: (m.logits(ids).double() - want).abs() for m in (fa3, varlen)}
     assert ref.attn_backend == "math" and err["fa3"].max() <= 2 * err["varlen"].max()
     assert err["fa3"].mean() <= 2 * err["varlen"].mean()
+
+
+def test_varlen_room_holds_the_schedules_span_cuts_besides_the_documents(tmp_path, monkeypatch):
+    """TRAIN_SEQ_SCHEDULE's cuts have room of their own in cu_seqlens and in the loader's count: a batch at the
+    documents' limit under the shortest span is taken, its segments all listed (a review: the cuts took the
+    documents' room, so spans of 256 refused nearly every FineWeb batch at 2,048)."""
+    from conftest import write_shard
+    monkeypatch.setattr(tg, "DOC_BOUNDARY_TOKENS", 8)
+    tokens = [tg.BOS_ID if i % 8 == 3 else 7 for i in range(80)]  # a document start every 8 tokens
+    write_shard(tmp_path / "fineweb_train_000000.bin", tokens)
+    cfg = make_cfg(TRAIN_SEQ_LEN=32, TRAIN_BATCH_TOKENS=64, DOC_ISOLATION=1, VOCAB_SIZE=64,
+                   TRAIN_SEQ_SCHEDULE="4@0.5,32@1.0")
+    loader = tg.TrainLoader([str(tmp_path / "fineweb_train_000000.bin")], cfg, tg.Runtime(attn_backend="varlen"))
+    assert (loader.cuts, loader.max_docs) == (7, 2 * (1 + 7) + 2 * 32 // 8)
+    ((x, _),) = loader.next_batch()  # 4 documents a row (8 in the batch: the limit), cut every 4 tokens
+    cu = tg.document_segments(x, torch.tensor(4), tg.span_cuts(cfg, 32))
+    starts = (tg.segment_starts(x, torch.tensor(4)).flatten().nonzero()[:, 0]).tolist()  # the loop's: test_training
+    assert len(starts) > tg.segment_room(2, 32)  # more than the room without the cuts'
+    assert cu.tolist()[:len(starts)] == starts and set(cu.tolist()[len(starts):]) == {64}  # nothing merged
 
 
 def test_varlen_loader_refuses_a_batch_with_more_documents_than_cu_seqlens_holds(tmp_path):
