@@ -1197,7 +1197,7 @@ def shard_files(data_path: str, split: str) -> list[str]:
         raise FileNotFoundError(f"DATA_PATH {data_path} is not a directory: {GET_DATA}")
     files = sorted(glob.glob(str(Path(data_path) / f"fineweb_{split}_[0-9]*.bin")))  # not the byte sidecar
     if not files:
-        raise FileNotFoundError(f"no shards matching {Path(data_path) / f'fineweb_{split}_*.bin'}: {GET_DATA}")
+        raise FileNotFoundError(f"no shards matching {Path(data_path) / f'fineweb_{split}_[0-9]*.bin'}: {GET_DATA}")
     return files
 
 
