@@ -3379,9 +3379,14 @@ class Trainer:
         try:
             clocks = TrainClock(self.rt.device, self.clock["train_ms"], self.clock.get("recent_ms"))
             step, train_ms, stopped, clock = self.finish(ema, clocks, *self.timed_loop(scorer, ema, clocks))
-            hessians = None if stopped else self.end_training(ema, step, train_ms)
-            # after the Hessians, which end the 600 s (it took 1 s on 2 H200s): no trained model is lost to a later
-            # failure (RESUME=it exports and scores again); run() removes it unless CHECKPOINT_EVERY keeps them
+            try:
+                hessians = None if stopped else self.end_training(ema, step, train_ms)
+            except BaseException:  # one process keeps what it trained (ranks alone would wait in collectives)
+                if self.rt.world_size == 1:
+                    self.save_checkpoint(ema, clock)
+                raise
+            # after the Hessians, which end the 600 s (1 s on 2 H200s): no trained model is lost to a later
+            # failure (RESUME=it exports and scores again); run() deletes it unless CHECKPOINT_EVERY is on
             try:
                 self.save_checkpoint(ema, clock)
             except OSError as e:  # a disk that holds the artifact but not the checkpoint still gets the artifact
@@ -3391,8 +3396,9 @@ class Trainer:
         finally:
             for s, handler in self.handlers.items():
                 signal.signal(s, handler)
-        if self.signal and not stopped:  # it came after the loop: the final checkpoint is on disk
-            raise Interrupted(self.signal)
+        late = 0 if stopped else int(all_reduce_max(float(self.signal), self.rt.device))  # one rank's: all stop
+        if late:  # after the loop: the checkpoint is on disk
+            raise Interrupted(late)
         if stopped:
             self.log(f"interrupted by {signal.Signals(stopped).name} at step {step}: resume with "
                      f"RESUME={self.ckpt_path} and the same settings")
@@ -3477,13 +3483,16 @@ class Trainer:
         live = [p.detach().clone() for p in model.parameters()] if ema is not None else None
         if ema is not None:
             ema.copy_to_model()
-        t0 = now_ms(self.rt.device)
-        hessians = calibrate(model, self.loader, cfg.gptq_calibration_batches)
+        t0, position = now_ms(self.rt.device), self.loader.state_dict()
+        try:
+            hessians = calibrate(model, self.loader, cfg.gptq_calibration_batches)
+        finally:  # the checkpoint's position: a RESUME calibrates on these batches again
+            self.loader.load_state_dict(position)
+            if live is not None:
+                with torch.no_grad():
+                    torch._foreach_copy_(list(model.parameters()), live)
         log(f"gptq_calibration batches:{cfg.gptq_calibration_batches} time:{now_ms(self.rt.device) - t0:.0f}ms "
             f"reserved:{1000 * cfg.max_wallclock_seconds - train_cap_ms(cfg):.0f}ms")
-        if live is not None:
-            with torch.no_grad():
-                torch._foreach_copy_(list(model.parameters()), live)
         return hessians
 
     def validate(self, scorer: Scorer, step: int, clocks: TrainClock) -> None:

@@ -350,6 +350,14 @@ def test_significance_from_another_scripts_logs_takes_their_last_score_line(tmp_
         pr.prev_record_losses([tmp_path / "none.log"])
 
 
+def test_our_own_log_without_a_final_score_is_no_previous_record(tmp_path):
+    """Another script's last score line is for other scripts' logs: ours without its final line is refused (a review:
+    its roundtrip loss, worse than the final one, was taken as the previous record's)."""
+    path, _ = make_log(tmp_path, 5, final=False)
+    with pytest.raises(pr.Refusal, match="no final score line"):
+        pr.prev_record_losses([path])
+
+
 def test_a_previous_record_log_that_is_no_log_is_one_line_naming_it(tmp_path):
     good, _ = make_log(tmp_path, 1)
     bad, why = _not_a_log(tmp_path, "artifact.int6.ptz")

@@ -195,6 +195,34 @@ def test_the_final_checkpoint_follows_the_hessians_and_a_signal_during_them_stop
     assert order == sorted(order)
 
 
+def test_a_resume_of_the_final_checkpoint_calibrates_on_the_same_batches(dataset, tokenizer_path, tmp_path,
+                                                                        monkeypatch):
+    """The final checkpoint's data position is before GPTQ's calibration batches, so RESUME=it gets the same Hessians
+    (a review: written after them, it held the position past them, and the resumed artifact differed)."""
+    tr = _trainer_with_fake_steps(dataset, tokenizer_path, tmp_path, monkeypatch, GPTQ_CALIBRATION_BATCHES=2)
+    hessians = tr.train(scorer=None, ema=None)[3]
+    again = make_trainer(dataset, tokenizer_path, ITERATIONS=3, LATE_QAT_THRESHOLD=0, RUN_ID="end",
+                         GPTQ_CALIBRATION_BATCHES=2)
+    again.load(tg.read_checkpoint("logs/end.ckpt"), None)
+    resumed = again.train(scorer=None, ema=None)[3]
+    assert again.clock["done"] and hessians.keys() == resumed.keys()
+    assert all(torch.equal(hessians[k], resumed[k]) for k in hessians)
+
+
+def test_a_failure_in_the_hessians_of_one_process_still_writes_the_trained_state(dataset, tokenizer_path, tmp_path,
+                                                                                 monkeypatch):
+    """One process (one GPU) writes the final checkpoint when the Hessians fail (out of memory, a second signal);
+    ranks alone would wait in each other's collectives."""
+    tr = _trainer_with_fake_steps(dataset, tokenizer_path, tmp_path, monkeypatch, GPTQ_CALIBRATION_BATCHES=1)
+
+    def out_of_memory(*_):
+        raise RuntimeError("CUDA out of memory")
+    monkeypatch.setattr(tg, "calibrate", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        tr.train(scorer=None, ema=None)
+    assert tg.read_checkpoint("logs/end.ckpt")["clock"]["done"]
+
+
 def test_a_failure_after_training_says_how_to_finish(dataset, tokenizer_path, tmp_path, monkeypatch):
     """Any error once the trained state is on disk (export, scoring, TTT out of memory, a lost rank) carries the
     hint; so does an interrupt of a run that resumed a checkpoint and wrote none of its own."""
