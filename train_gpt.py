@@ -3627,7 +3627,7 @@ def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[st
                 log(f"warning memory_plan: {e / G:.1f} GiB estimated over the {rt.budget / G:.1f} planned for: "
                     f"expect out of memory; {advice}")
     log(f"outputs log:{log.path} artifact:{cfg.eval_only or cfg.artifact_path}"
-        + (f" checkpoints:logs/{cfg.run_id}.ckpt" if cfg.checkpoint_every else ""))
+        + (f" checkpoints:logs/{cfg.run_id}.ckpt" if cfg.checkpoint_every and not cfg.eval_only else ""))
     if not cfg.eval_only:  # known at step 0: a config that will not fit, or one that leaves bytes unused
         predicted = predict_artifact_bytes(cfg) + code_bytes
         log(f"predicted_size total:{predicted} limit:{SIZE_LIMIT_BYTES} headroom:{SIZE_LIMIT_BYTES - predicted}")
@@ -3818,7 +3818,9 @@ def main() -> int:
         if ckpt.get("code_sha256") not in (None, "", code_sha):  # the packager refuses such a run's log
             warnings.append(f"checkpoint {cfg.resume} was written by another train_gpt.py: a record of this run "
                             "ships this one, which did not train all of it")
+    t_read = time.perf_counter()  # EVAL_ONLY: decoding is in eval_wall
     stored = read_artifact(cfg.eval_only) if cfg.eval_only else None
+    decode_s = time.perf_counter() - t_read
     if stored is not None:
         cfg, _ = adopt_settings(cfg, stored[0]["settings"], MODEL_SETTINGS, explicit, f"artifact {cfg.eval_only}")
     tokenizer = tokenizer_sha256(cfg.tokenizer_path)
@@ -3839,7 +3841,7 @@ def main() -> int:
     for s in STOP_SIGNALS:  # the training loop stops at a step's end on the first one
         signal.signal(s, raise_interrupted)
     try:
-        return run(cfg, rt, log, code, warnings, ckpt, stored, tokenizer, code_sha)
+        return run(cfg, rt, log, code, warnings, ckpt, stored, tokenizer, code_sha, decode_s)
     except BaseException as e:  # say how to finish from what is on disk
         artifact, trained = Path(cfg.eval_only or cfg.artifact_path), Path("logs") / f"{cfg.run_id}.ckpt"
         resume, written = trained if trained.is_file() else cfg.resume, artifact.is_file() and artifact.stat().st_size
@@ -3857,7 +3859,7 @@ def main() -> int:
 
 
 def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: list[str], ckpt: dict | None,
-        stored: tuple | None, tokenizer: str, code_sha: str = "") -> int:
+        stored: tuple | None, tokenizer: str, code_sha: str = "", decode_s: float = 0.0) -> int:
     """The pipeline: train -> export -> score the artifact file (and TTT on it); EVAL_ONLY scores `stored`."""
     t_start, code_bytes = time.perf_counter(), shipped_bytes(code)
     torch.manual_seed(cfg.seed)
@@ -3896,8 +3898,8 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     # eval_time: the final score's pass (the records' count); eval_wall: all from train_done on (README)
     now = time.perf_counter()
     log(f"summary score:{key} val_bpb:{score.bpb:.8f} artifact:{artifact} total_bytes:{total} train_time:"
-        f"{train_ms / 1000:.1f}s eval_time:{score.time_ms / 1000:.1f}s eval_wall:{now - eval_start:.1f}s "
-        f"wall_time:{now - t_start:.1f}s"
+        f"{train_ms / 1000:.1f}s eval_time:{score.time_ms / 1000:.1f}s eval_wall:{now - eval_start + decode_s:.1f}s "
+        f"wall_time:{now - t_start + decode_s:.1f}s"
         + (" sample_data:not_comparable_to_FineWeb" if sample else ""))
     if over:
         again = trained if trained.is_file() else cfg.resume

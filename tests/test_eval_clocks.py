@@ -10,6 +10,7 @@ tests/test_ttt_phased.py's and tests/test_ttt_lora.py's claim."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -66,3 +67,22 @@ def test_no_validation_token_enters_a_forward_before_its_scoring_and_the_clocks(
     eval_s, wall_s = (float(re.search(rf" {k}:([\d.]+)s", summary).group(1)) for k in ("eval_time", "eval_wall"))
     assert summary.startswith("summary score:legal_ttt ") and eval_s == pytest.approx(ttt_ms / 1000, abs=0.051)
     assert wall_s >= eval_s
+
+
+def test_eval_only_counts_the_artifacts_decoding_in_eval_wall(monkeypatch, tmp_path, dataset, tokenizer_path):
+    """A training run decodes its artifact inside eval_wall; EVAL_ONLY read it before run() and left it out (a
+    review). The decoding slowed by 0.5 s shows in both wall clocks; the outputs line names no checkpoint (none is
+    written)."""
+    run_main(monkeypatch, tmp_path, dataset, tokenizer_path, "made", ITERATIONS=2, GPTQ_CALIBRATION_BATCHES=0)
+    read = tg.read_artifact
+
+    def slow_read(path):
+        time.sleep(0.5)
+        return read(path)
+    monkeypatch.setattr(tg, "read_artifact", slow_read)
+    log = run_main(monkeypatch, tmp_path, dataset, tokenizer_path, "scored", EVAL_ONLY="logs/made.int6.ptz",
+                   CHECKPOINT_EVERY=100)
+    assert re.search(r"^outputs log:logs/scored.txt artifact:logs/made.int6.ptz$", log, re.M)  # no checkpoint named
+    summary = log.strip().splitlines()[-1]
+    assert summary.startswith("summary ")
+    assert all(float(re.search(rf" {k}:([\d.]+)s", summary).group(1)) >= 0.5 for k in ("eval_wall", "wall_time"))
