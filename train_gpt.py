@@ -3452,7 +3452,7 @@ class Trainer:
         return step, progress, first_bad
 
     def finish(self, ema: EMA | None, clocks: TrainClock, step: int, progress: float,
-               first_bad: Tensor) -> tuple[int, float, int]:
+               first_bad: Tensor) -> tuple[int, float, int, dict]:
         """After the loop: (steps, training ms, the signal that stopped it or 0, the final checkpoint's clock)."""
         clocks.pause()
         cap_ms, train_ms = train_cap_ms(self.cfg), clocks.train_ms

@@ -151,6 +151,17 @@ def test_a_final_checkpoint_the_disk_cannot_hold_does_not_stop_the_export(datase
         tr.train(scorer=None, ema=None)
 
 
+def _train_until_interrupted(tr) -> dict:
+    """tr.train() under main()'s SIGTERM handler, which it must end with Interrupted; the checkpoint it left."""
+    before = signal.signal(signal.SIGTERM, tg.raise_interrupted)
+    try:
+        with pytest.raises(tg.Interrupted):
+            tr.train(scorer=None, ema=None)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    return tg.read_checkpoint("logs/end.ckpt")
+
+
 def test_a_signal_during_the_final_checkpoint_leaves_it_whole(dataset, tokenizer_path, tmp_path, monkeypatch):
     """The loop's own handler stays until the final checkpoint is on disk; the signal then stops the run (main()
     says: finish with RESUME=it). It used to raise inside the write, and the temporary file was deleted."""
@@ -161,13 +172,7 @@ def test_a_signal_during_the_final_checkpoint_leaves_it_whole(dataset, tokenizer
         os.kill(os.getpid(), signal.SIGTERM)
         save(ema, clock)
     tr.save_checkpoint = signalled_save
-    before = signal.signal(signal.SIGTERM, tg.raise_interrupted)  # as main() installs it
-    try:
-        with pytest.raises(tg.Interrupted):
-            tr.train(scorer=None, ema=None)
-    finally:
-        signal.signal(signal.SIGTERM, before)
-    assert tg.read_checkpoint("logs/end.ckpt")["clock"]["done"]
+    assert _train_until_interrupted(tr)["clock"]["done"]
 
 
 def test_the_final_checkpoint_follows_the_hessians_and_a_signal_during_them_stops_after_it(dataset, tokenizer_path,
@@ -183,13 +188,7 @@ def test_the_final_checkpoint_follows_the_hessians_and_a_signal_during_them_stop
         os.kill(os.getpid(), signal.SIGTERM)
         return hessians(*args)
     monkeypatch.setattr(tg, "calibrate", signalled)
-    before = signal.signal(signal.SIGTERM, tg.raise_interrupted)  # as main() installs it
-    try:
-        with pytest.raises(tg.Interrupted):
-            tr.train(scorer=None, ema=None)
-    finally:
-        signal.signal(signal.SIGTERM, before)
-    assert tg.read_checkpoint("logs/end.ckpt")["clock"]["done"]
+    assert _train_until_interrupted(tr)["clock"]["done"]
     order = [next(i for i, x in enumerate(lines) if x.startswith(k)) for k in ("train_done", "gptq_calibration",
                                                                                   "checkpoint")]
     assert order == sorted(order)
