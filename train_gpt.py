@@ -1475,10 +1475,13 @@ def exclusive_self_attention_reference(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor
 
 
 def softcap(logits: Tensor, cap: float | Tensor) -> Tensor:
-    """c tanh(z / c); cap a Tensor (s+, s-): AsymLogit, s+ where z >= 0, s- below."""
+    """c tanh(z / c); cap a Tensor (s+, s-): AsymLogit, s+ where z >= 0, s- below, in the caps' precision (in bf16
+    they moved in steps of 0.125 near 30 under eager autocast), the result in the logits' dtype."""
     if isinstance(cap, Tensor):
-        cap = torch.where(logits >= 0, cap[0].to(logits.dtype), cap[1].to(logits.dtype))
-    return cap * torch.tanh(logits / cap) if isinstance(cap, Tensor) or cap > 0 else logits
+        z = logits.to(torch.promote_types(logits.dtype, cap.dtype))
+        c = torch.where(z >= 0, cap[0], cap[1])
+        return (c * torch.tanh(z / c)).to(logits.dtype)
+    return cap * torch.tanh(logits / cap) if cap > 0 else logits
 
 
 def cross_entropy(logits_NV: Tensor, targets_N: Tensor, reduction: str = "mean") -> Tensor:

@@ -734,3 +734,16 @@ def test_varlen_loader_refuses_a_batch_with_more_documents_than_cu_seqlens_holds
     for rank in (0, 1):
         with pytest.raises(tg.ShardError, match="holds 171 documents"):
             tg.TrainLoader(files, cfg, tg.Runtime(rank=rank, world_size=2, attn_backend="varlen")).next_batch()
+
+
+def test_asym_logit_caps_act_in_their_own_precision_under_autocast():
+    """Eager autocast (bf16 logits): caps of 30.06 and 29.94 are not 30 (bf16 rounded both to 30.0, a review), and
+    their gradient is the fp32 computation's."""
+    z = (torch.randn(4, 64, generator=torch.Generator().manual_seed(1)) * 40).bfloat16()
+    caps = [torch.tensor([30.06, 29.94], requires_grad=True), torch.tensor([30.0, 30.0])]
+    out = [tg.softcap(z, c) for c in caps]
+    assert out[0].dtype == torch.bfloat16 and not torch.equal(out[0], out[1])
+    out[0].float().sum().backward()
+    ref = caps[0].detach().clone().requires_grad_()
+    torch.where(z.float() >= 0, ref[0], ref[1]).mul(torch.tanh(z.float() / torch.where(z.float() >= 0, ref[0], ref[1]))).sum().backward()
+    torch.testing.assert_close(caps[0].grad, ref.grad)
