@@ -3621,9 +3621,10 @@ def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[st
     if rt.budget:  # the estimates (GiB) behind GRAD_ACCUM_STEPS and TTT_BATCH_SIZE
         micro, rows, G = cfg.train_batch_tokens // (rt.world_size * rt.grad_accum_steps), ttt_rows(cfg, rt), 2 ** 30
         sgd = global_sgd_rows(cfg, rt)[1] if cfg.phased_ttt_prefix_docs > 0 else 0  # phased TTT's rows, a rank
-        est = (activation_bytes(cfg, micro, TRAIN_ACT_BYTES), ttt_bytes(cfg, max(rows, sgd)) * cfg.ttt_enabled)
-        log(f"memory_plan budget:{rt.budget / G:.1f} micro_batch_tokens:{micro} est:{est[0] / G:.1f} ttt_rows:{rows} "
-            f"global_sgd_rows:{sgd} est:{est[1] / G:.1f}")
+        est = (activation_bytes(cfg, micro, TRAIN_ACT_BYTES) * (not cfg.eval_only),
+               ttt_bytes(cfg, max(rows, sgd)) * cfg.ttt_enabled)
+        train = "" if cfg.eval_only else f" micro_batch_tokens:{micro} est:{est[0] / G:.1f}"  # EVAL_ONLY trains not
+        log(f"memory_plan budget:{rt.budget / G:.1f}{train} ttt_rows:{rows} global_sgd_rows:{sgd} est:{est[1] / G:.1f}")
         ttt = "lower TTT_BATCH_SIZE" + (" and GLOBAL_TTT_CHUNK_TOKENS (phased TTT's rows)" if sgd > rows else "")
         for advice, e in zip(("raise GRAD_ACCUM_STEPS (or shrink the model)", ttt), est):
             if e > rt.budget:

@@ -90,6 +90,10 @@ def test_the_memory_plan_reaches_the_runtime_and_the_log(monkeypatch, gib, accum
     assert want in lines
     warnings = [x for x in lines if x.startswith("warning memory_plan")]
     assert len(warnings) == len(warned) and all(w in x for w, x in zip(warned, warnings))
+    lines.clear()  # EVAL_ONLY trains nothing: no micro-batch in the plan, no GRAD_ACCUM_STEPS warning (there was)
+    tg.log_header(log, dataclasses.replace(cfg, eval_only="a.ptz"), rt, [], "", 0)
+    assert f"memory_plan budget:{gib:.1f} ttt_rows:{rows} global_sgd_rows:16 est:{est[1]:.1f}" in lines
+    assert [x for x in lines if x.startswith("warning memory_plan")] == [x for x in warnings if "GRAD_ACCUM" not in x]
 
 
 def test_inductor_is_configured_only_where_the_run_compiles(monkeypatch):
