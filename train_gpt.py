@@ -8,8 +8,7 @@ with a measured gain. PQB, pqb-t: the proxy benchmark (records/PERFORMANCE.md "N
 
 Sections, each using only those above it: Config, Runtime, Optimizer, Data, Model, Kernels (and build_model),
 Scoring, Legal TTT, Export, Training, main (the pipeline); but TTT_MODE's choices are TTT_MODES' names. Extension
-points: FORMATS, TTT_MODES, Adapter (README, "Extending the script").
-"""
+points: FORMATS, TTT_MODES, Adapter (README, "Extending the script")."""
 from __future__ import annotations
 
 import bisect
@@ -43,8 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# The optional kernels (Kernels section; CUDA builds of torch bring triton), imported and registered only where they
-# can run: registering imports inductor (0.7 s) and triton takes 0.16 s, of every CPU process (the tests' ~150)
+# The optional kernels only where they can run: registering imports inductor (0.7 s), triton 0.16 s a CPU process
 KERNELS_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 try:
     if not KERNELS_HERE:
@@ -55,14 +53,12 @@ except ImportError:
     triton, KERNELS_HERE = None, False
 
 # ===== Config =====
-
 DROPPED_SETTINGS = {"SWA_ENABLED", "SWA_EVERY", "DTG_ENABLED", "LATE_QAT", "QAT_ENABLED", "GATED_ATTENTION",
                     "VALUE_RESIDUAL",  # + LAWA_*, MTP_*: the reference's dead ends
                     "FP8_ENABLED",  # ours until 2026-11: no faster at the record micro-batch, 0.002-0.003 bpb worse
                     "ATTN_OUT_GATE_ENABLED",  # ours until 2026-11-26: the dense form of the sparse gate
-                    # the reference's full-parameter TTT (our TTT_MODE=sgd until 2026-11-28): lora gains 8x more
                     "TTT_LR", "TTT_EPOCHS", "TTT_CHUNK_TOKENS", "TTT_FREEZE_BLOCKS", "TTT_MOMENTUM", "TTT_BATCH_SEQS",
-                    "TTT_GRAD_CLIP",
+                    "TTT_GRAD_CLIP",  # the reference's full TTT (our TTT_MODE=sgd until 2026-11-28): lora gains 8x more
                     "TTT_WARM_START_A"}  # ours until 2026-11-28: -0.0004, under twice the seed spread
 DROPPED_PREFIXES = ("LAWA_", "MTP_")
 # Environment variables of launchers and libraries that share a word with our fields.
@@ -73,8 +69,7 @@ GENERIC_WORDS = {"MAX", "NUM", "RUN", "DATA", "MODEL", "HEAD", "DEVICE", "LOCAL"
 OTHER_NAMES = {"LEARNING_RATE": "MATRIX_LR, SCALAR_LR, TIED_EMBED_LR", "LR": "MATRIX_LR, SCALAR_LR, TIED_EMBED_LR",
                "BATCH_SIZE": "TRAIN_BATCH_TOKENS", "MAX_WALLCLOCK": "MAX_WALLCLOCK_SECONDS", "MAX_STEPS": "ITERATIONS",
                "SEQ_LEN": "TRAIN_SEQ_LEN, EVAL_SEQ_LEN", "WEIGHT_DECAY": "MUON_WD, ADAM_WD, EMBED_WD"}
-# A zero head count or a negative learning rate is a typo, not a run.
-POSITIVE, NON_NEGATIVE, FRACTION = "> 0", ">= 0", "in [0, 1)"
+POSITIVE, NON_NEGATIVE, FRACTION = "> 0", ">= 0", "in [0, 1)"  # a zero head count or a negative lr: a typo, not a run
 IN_RANGE = {POSITIVE: lambda v: v > 0, NON_NEGATIVE: lambda v: v >= 0, FRACTION: lambda v: 0 <= v < 1}
 FP16_MIN_NORMAL = 2.0 ** -14  # the smallest scale an fp16 row scale holds without losing precision to 0
 
@@ -164,8 +159,7 @@ class Hyperparameters:
                             True, "num_loops")
     enable_looping_at: float = setting(0.35, "training progress at which the repeats start (scoring always runs them)",
                                        FRACTION, on="num_loops")
-    # The 2026-04-27 record's lanes, gates and optimizer settings (below, on by default) together: -0.033 bpb on
-    # pqb-t at equal time for +5.2% record step (lanes -0.008, the rest -0.025)
+    # the 04-27 record's lanes, gates, optimizer settings: -0.033 bpb (pqb-t, equal time; lanes -0.008), +5.2% a step
     parallel_start_layer: int = setting(8, "decoder layers from this one on: two residual lanes (0 = off)",
                                         NON_NEGATIVE, True)
     parallel_final_lane: str = setting("mean", "what leaves the two lanes: mean | attn | mlp", ("mean", "attn", "mlp"),
@@ -301,8 +295,7 @@ class Hyperparameters:
     token_order: int = setting(16, "context tokens + 1", (2, 64), on="ngram_tilt_enabled")
     token_threshold: float = setting(0.8, "share of a context's count its top next token needs", (0.0, 1.0),
                                      on="ngram_tilt_enabled")
-    token_boost: float = setting(2.625, "nats added to the hinted token's logit", NON_NEGATIVE,
-                                 on="ngram_tilt_enabled")
+    token_boost: float = setting(2.625, "nats added to the hinted token's logit", NON_NEGATIVE, on="ngram_tilt_enabled")
     ngram_update_docs: int = setting(512, "documents between the counts' updates (edges of lora's order, as the "
                                      "phases': a multiple of WORLD_SIZE x TTT rows keeps the batches full)", POSITIVE,
                                      on="ngram_tilt_enabled")
@@ -311,8 +304,7 @@ class Hyperparameters:
     def from_env(cls, env: dict[str, str] | None = None) -> tuple["Hyperparameters", list[str]]:
         """Parse our variables from `env`; returns (config, warnings). Unknown look-alikes are errors."""
         env = dict(os.environ if env is None else env)
-        by_env = {f.name.upper(): f for f in fields(cls)}
-        values, warnings = {}, []
+        by_env, values, warnings = {f.name.upper(): f for f in fields(cls)}, {}, []
         heads = {name.split("_")[0] for name in by_env} - GENERIC_WORDS
         for key, raw in env.items():
             if key in by_env:
@@ -336,8 +328,7 @@ class Hyperparameters:
 
     def ignored(self, name: str) -> str:
         """Why setting `name` is not read with these settings ("" if it is): its feature (setting's `on`) is off."""
-        on = SETTINGS[name].metadata["on"]
-        if not on:
+        if not (on := SETTINGS[name].metadata["on"]):
             return ""
         if "|" in on:  # read while any of these features is on
             return "" if any(getattr(self, k) for k in on.split("|")) else \
@@ -352,8 +343,7 @@ class Hyperparameters:
         return "" if value else f"is ignored: {key.upper()}={value} turns its feature off"
 
     def unread(self, explicit: set[str]) -> list[str]:
-        """Warnings, once a checkpoint's or artifact's settings are adopted, for settings in `explicit` (field names)
-        that these settings do not read, and for a step-capped warmdown longer than the run."""
+        """Warnings once stored settings are adopted: `explicit` ones not read; a warmdown past a step-capped run."""
         out = [f"setting {n.upper()} {why}" for n in SETTINGS if n in explicit and (why := self.ignored(n))]
         if self.max_wallclock_seconds == 0 and self.warmdown_iters > self.iterations:
             out.append(f"WARMDOWN_ITERS={self.warmdown_iters} > ITERATIONS={self.iterations} (a step-capped run): "
@@ -409,8 +399,7 @@ class Hyperparameters:
              "ASYM_LOGIT_RESCALE=1 needs LOGIT_SOFTCAP > 0 (no cap: set both to 0)")
         require(self.late_qat_threshold == 0 or self.min_lr < self.late_qat_threshold,
              "MIN_LR must be below LATE_QAT_THRESHOLD: late QAT starts when the lr scale falls under it")
-        require(re.fullmatch(r"\s*(\d+:[1-9]\d*\s*(,\s*\d+:[1-9]\d*\s*)*)?",
-                             self.ttt_short_score_first_steps) is not None,
+        require(bool(re.fullmatch(r"\s*(\d+:[1-9]\d*\s*(,\s*\d+:[1-9]\d*\s*)*)?", self.ttt_short_score_first_steps)),
              f"TTT_SHORT_SCORE_FIRST_STEPS={self.ttt_short_score_first_steps!r}: LEN:CHUNK pairs, e.g. 256:8,2000:24")
         ok = re.fullmatch(r"\s*(\d+@\d*\.?\d+\s*(,\s*\d+@\d*\.?\d+\s*)*)?", self.train_seq_schedule)
         spans = self.seq_spans if ok else [(0.0, 0)]
@@ -433,7 +422,6 @@ class Hyperparameters:
 
     @property
     def attn_gate_window(self) -> int:
-        """Channels of h the sparse attention gate reads: GATE_WINDOW with the gate on, else 0."""
         return self.gate_window if self.sparse_attn_gate_enabled else 0
 
     @property
@@ -464,6 +452,14 @@ class Hyperparameters:
 
 SETTINGS = {f.name: f for f in fields(Hyperparameters)}
 MODEL_SETTINGS = tuple(n for n, f in SETTINGS.items() if f.metadata["model"])
+# Model settings added after artifacts existed: what one made before them meant (125da04: the record's SmearGate)
+ADDED_MODEL_SETTINGS = {"smear_gate_enabled": False, "asym_logit_rescale": False}
+# Banks (PR #399): one 3-D parameter per matrix shape, so Muon orthogonalises a kind's matrices as one batch
+BANKS = {"qo_bank": ("attn.q", "attn.o"), "kv_bank": ("attn.k", "attn.v"),  # slot s, layer i: bank[s * L + i]
+         "mlp_up_bank": ("mlp.up",), "mlp_down_bank": ("mlp.down",)}
+MATRICES = {name: (bank, slot) for bank, names in BANKS.items() for slot, name in enumerate(names)}
+ZERO_INIT = ("attn.o", "mlp.down")  # the reference's init: these start at zero, the others orthogonal
+EMBED_TABLES = ("tok_emb.weight", "bigram.embed.weight", "ve.embed.weight")  # AdamW's token group
 
 
 def _parse_value(key: str, raw: str, typ: str):
@@ -478,14 +474,9 @@ def _parse_value(key: str, raw: str, typ: str):
     return value
 
 
-# Model settings added after artifacts existed: what one made before them meant (125da04: the record's SmearGate)
-ADDED_MODEL_SETTINGS = {"smear_gate_enabled": False, "asym_logit_rescale": False}
-
-
 def adopt_settings(cfg: Hyperparameters, stored: dict, names: tuple[str, ...], explicit: set[str],
                    source: str, used: str = "the environment's value is used") -> tuple[Hyperparameters, list[str]]:
-    """cfg with the settings `names` of an artifact or checkpoint (`stored`); one the environment sets (`explicit`)
-    keeps its value, with a warning, or an error for a model setting (another model). Returns (config, warnings)."""
+    """cfg with `stored`'s settings `names`; an `explicit` one keeps its value (a warning; a model one: an error)."""
     dropped = sorted(n for n in stored if n.upper() in DROPPED_SETTINGS)
     stored = {n: v for n, v in ADDED_MODEL_SETTINGS.items() if n in names} | stored
     stored = {n: v for n, v in stored.items() if n not in dropped}
@@ -504,23 +495,13 @@ def adopt_settings(cfg: Hyperparameters, stored: dict, names: tuple[str, ...], e
     return cfg, warnings
 
 
-# Banks (PR #399): one 3-D parameter per matrix shape, so Muon orthogonalises every layer's matrices of a kind as
-# one batch. Layer i's matrix of slot s lives at bank[s * NUM_LAYERS + i].
-BANKS = {"qo_bank": ("attn.q", "attn.o"), "kv_bank": ("attn.k", "attn.v"),
-         "mlp_up_bank": ("mlp.up",), "mlp_down_bank": ("mlp.down",)}
-MATRICES = {name: (bank, slot) for bank, names in BANKS.items() for slot, name in enumerate(names)}
-ZERO_INIT = ("attn.o", "mlp.down")  # the reference's init: these start at zero, the others orthogonal
-EMBED_TABLES = ("tok_emb.weight", "bigram.embed.weight", "ve.embed.weight")  # AdamW's token group
-
-
 def layer_matrix(banks: dict[str, Tensor], name: str, i: int, num_layers: int) -> Tensor:
     bank, slot = MATRICES[name]
     return banks[bank][slot * num_layers + i]
 
 
 def layer_order(cfg: Hyperparameters, looping: bool) -> list[int]:
-    """The layer at each position of the stack (the first half: the U-Net encoder); looping, LOOP_START..LOOP_END
-    runs 1 + NUM_LOOPS times (the 04-27 record: 3..5 three times, 17 positions)."""
+    """Each position's layer (first half: the U-Net encoder); looping, LOOP_START..LOOP_END runs 1 + NUM_LOOPS times."""
     L, (a, b), loops = cfg.num_layers, cfg.loop_layers, cfg.num_loops if looping else 0
     return list(range(a)) + list(range(a, b + 1)) * (loops + 1) + list(range(b + 1, L))
 
@@ -532,21 +513,29 @@ def parallel_positions(cfg: Hyperparameters, looping: bool) -> list[bool]:
 
 
 # ===== Runtime: the "auto" choices resolved once, distributed helpers, logging, clock =====
-
 SEGMENT_BACKENDS = ("varlen", "fa3", "cudnn_fe")  # DOC_ISOLATION by document_segments' cu_seqlens instead of a mask
 RAGGED = ("varlen", "cudnn_fe")  # DOC_ISOLATION's alone; their rows of one document run SDPA's cuDNN
+# Activation bytes per (token x layer pass x width), from reserved peaks on an H200: the warmup's (all graphs in one
+# pool: 43,240 MiB at 98,304 tokens; 22,654 at 49,152 is 55.5) and TTT's (60,094 MiB at 64 rows of 2,048)
+TRAIN_ACT_BYTES, TTT_ACT_BYTES = 53, 55
+NGRAM_PEAK_BYTES = 110 * 47_851_520  # the tilt's counts' peak, full validation set (H200)
+MEMORY_USE = 0.85  # of what the process may use; the rest: weights, optimizer states, the allocator's fragmentation
+# torch >= 2.13 renames the tensor collectives; 2.11 (the GPU machine) has only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+HOST = torch.device("cpu")  # now_ms(HOST): the host clock, without waiting for the GPU
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: a closed terminal or ssh session
 
 
 @dataclass(frozen=True)
 class Runtime:
-    """What the settings and the machine decide together, resolved once (init_runtime) and logged (`layout`). The
-    defaults are one CPU process: world_size 1 is the degenerate case of the same code."""
+    """What settings and machine decide, resolved once (init_runtime), logged (`layout`); default: one CPU process."""
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     attn_backend: str = "math"  # fa3 | flash | cudnn | math | varlen | cudnn_fe
-    kernels: str = "torch"  # triton | torch: who runs q/k norm+RoPE, XSA and the training loss
+    kernels: str = "torch"  # triton | torch: who runs q/k norm+RoPE and XSA
     compile_enabled: bool = False
     cuda_graphs: bool = False
     grad_accum_steps: int = 1
@@ -558,30 +547,19 @@ class Runtime:
         return self.rank == 0
 
     def describe(self) -> str:
-        return (f"layout world_size:{self.world_size} grad_accum_steps:{self.grad_accum_steps} "
-                f"attn_backend:{self.attn_backend} kernels:{self.kernels} compile:{int(self.compile_enabled)} "
-                f"cuda_graphs:{int(self.cuda_graphs)}" + (f" memory:{memory(self.device)}" if self.device.type ==
-                                                          "cuda" else ""))
+        return (f"layout world_size:{self.world_size} grad_accum_steps:{self.grad_accum_steps} attn_backend:"
+                f"{self.attn_backend} kernels:{self.kernels} compile:{int(self.compile_enabled)} cuda_graphs:"
+                f"{int(self.cuda_graphs)}" + (f" memory:{memory(self.device)}" if self.device.type == "cuda" else ""))
 
 
 def free_and_cap(device: torch.device) -> tuple[int, float]:
-    """The device's free bytes and the allocator's cap (set_per_process_memory_fraction)."""
     free, total = torch.cuda.mem_get_info(device)
     return free, torch.cuda.get_per_process_memory_fraction(device) * total
 
 
 def memory(device: torch.device) -> str:
-    """What this process may use: free GiB, reserved by it, the allocator's cap."""
-    free, cap = free_and_cap(device)
-    return "{:.1f} GiB free, {:.1f} reserved, cap {:.1f}".format(*(x / 2 ** 30 for x in (
-        free, torch.cuda.memory_reserved(device), cap)))
-
-
-# Activation bytes per (token x layer pass x width), from reserved peaks on an H200: the warmup's (all graphs in one
-# pool: 43,240 MiB at 98,304 tokens; 22,654 at 49,152 is 55.5) and TTT's (60,094 MiB at 64 rows of 2,048)
-TRAIN_ACT_BYTES, TTT_ACT_BYTES = 53, 55
-NGRAM_PEAK_BYTES = 110 * 47_851_520  # the tilt's counts' peak, full validation set (H200)
-MEMORY_USE = 0.85  # of what the process may use; the rest: weights, optimizer states, the allocator's fragmentation
+    (free, cap), reserved = free_and_cap(device), torch.cuda.memory_reserved(device)
+    return f"{free / 2 ** 30:.1f} GiB free, {reserved / 2 ** 30:.1f} reserved, cap {cap / 2 ** 30:.1f}"
 
 
 def activation_bytes(cfg: Hyperparameters, tokens: int, per: int) -> int:
@@ -621,8 +599,7 @@ def resolve_grad_accum_steps(cfg: Hyperparameters, world_size: int, budget: floa
 
 
 def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Runtime:
-    """Resolve every "auto" setting for this process, join the process group, configure CUDA. WORLD_SIZE, RANK and
-    LOCAL_RANK come from `env` (default os.environ)."""
+    """Every "auto" setting resolved, the process group joined, CUDA set up; WORLD_SIZE, RANK, LOCAL_RANK from `env`."""
     env = os.environ if env is None else env
     world_size, rank, local_rank = (int(env.get(k, d)) for k, d in (("WORLD_SIZE", "1"), ("RANK", "0"),
                                                                     ("LOCAL_RANK", "0")))
@@ -663,8 +640,7 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
     if cuda:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        # one SDPA kernel, so a silent fallback cannot change speed
-        for kind in ("flash", "cudnn", "mem_efficient", "math"):  # RAGGED's rows of one document: cuDNN
+        for kind in ("flash", "cudnn", "mem_efficient", "math"):  # one SDPA kernel, no silent fallback (RAGGED: cuDNN)
             getattr(torch.backends.cuda, f"enable_{kind}_sdp")(kind == ("cudnn" if attn in RAGGED else attn))
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl", device_id=device) if cuda else dist.init_process_group("gloo")
@@ -675,8 +651,7 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
 
 
 def check_same_on_ranks(env: dict[str, str]) -> None:
-    """Every rank's settings (RESUME too) must be rank 0's: one that differed was replaced by rank 0's without a
-    word, or trained another model (GRAD_ACCUM_STEPS)."""
+    """Rank 0's settings (RESUME too) on every rank: a differing one was silently replaced, or changed the model."""
     if _distributed():
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, env)
@@ -716,8 +691,7 @@ def all_reduce_sum_(t: Tensor, async_op: bool = False):
 
 
 class FlatTensors:
-    """Tensors as one fp32 concatenation: one async all-reduce, one kernel for their norm or scaling (98 kernels for
-    the ~50 replicated grads otherwise; with the stacked Newton-Schulz the optimizer went 2.24 -> 1.95 ms, H200)."""
+    """Tensors as one fp32 buffer: one async all-reduce, one kernel, not 98 (stacked NS: optimizer 2.24 -> 1.95 ms)."""
 
     def __init__(self, tensors: list[Tensor]):
         self.tensors = tensors
@@ -745,13 +719,6 @@ def all_reduce_max(x: float | list[float], device: torch.device):
     return t.tolist() if isinstance(x, list) else float(t.item())
 
 
-# torch >= 2.13 renames the tensor collectives; 2.11 (the GPU machine) has only the old names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-HOST = torch.device("cpu")  # now_ms(HOST): the host clock, without waiting for the GPU
-
-
 def now_ms(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -760,8 +727,7 @@ def now_ms(device: torch.device) -> float:
 
 @contextlib.contextmanager
 def memory_advice(rt: Runtime, change: str):
-    """A CUDA out-of-memory error inside gets a note: the memory here and the setting to change (issue 58: one card of
-    32 GB stopped in the warmup with a line that named none)."""
+    """A CUDA out-of-memory error inside gets a note: the memory here and the setting to change (torch's named none)."""
     try:
         yield
     except torch.cuda.OutOfMemoryError as e:
@@ -785,9 +751,8 @@ def on_rank0(rt: Runtime, fn: Callable):
 
 
 def claim_outputs(cfg: Hyperparameters, rt: Runtime) -> Hyperparameters:
-    """One run, one log, no output overwritten: rank 0 creates logs/<RUN_ID>.txt exclusively for the first free of
-    RUN_ID, RUN_ID_2, ... and tells the other ranks. An empty ARTIFACT_PATH becomes logs/<RUN_ID>.int6.ptz; the
-    artifact is created empty too (claimed). An existing one, or a missing or read-only folder, is refused now."""
+    """One run, one log, nothing overwritten: rank 0 creates logs/<RUN_ID>.txt for the first free RUN_ID, RUN_ID_2, ...;
+    the artifact (default logs/<RUN_ID>.int6.ptz) is claimed empty; an existing one, a bad folder: refused."""
     def claim() -> Hyperparameters:
         logs, artifact = Path("logs"), Path(cfg.artifact_path)
         logs.mkdir(exist_ok=True)
@@ -809,14 +774,13 @@ def claim_outputs(cfg: Hyperparameters, rt: Runtime) -> Hyperparameters:
         claimed = artifact.resolve() if cfg.artifact_path and not cfg.eval_only else None
         for n in itertools.count(1):
             run_id = cfg.run_id if n == 1 else f"{cfg.run_id}_{n}"
+            ptz = logs / f"{run_id}.int6.ptz"
             with contextlib.suppress(FileExistsError):
-                if not any(p.exists() and p.resolve() != claimed for p in (logs / f"{run_id}.ckpt",
-                                                                            logs / f"{run_id}.int6.ptz")):
+                if not any(p.exists() and p.resolve() != claimed for p in (logs / f"{run_id}.ckpt", ptz)):
                     create(logs / f"{run_id}.txt")
                     if not (cfg.artifact_path or cfg.eval_only):
-                        create(logs / f"{run_id}.int6.ptz")
-                    return replace(cfg, run_id=run_id,
-                                   artifact_path=cfg.artifact_path or str(logs / f"{run_id}.int6.ptz"))
+                        create(ptz)
+                    return replace(cfg, run_id=run_id, artifact_path=cfg.artifact_path or str(ptz))
     return on_rank0(rt, claim)
 
 
@@ -841,10 +805,6 @@ class Logger:
             raise OSError(e.errno, f"{e.strerror} (writing {self.path})") from None
 
 
-# SIGHUP: a closed terminal or ssh session
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
 class Interrupted(KeyboardInterrupt):
     """One of STOP_SIGNALS outside the training loop's own stop: in export, scoring or TTT, or a second signal."""
 
@@ -858,7 +818,6 @@ def raise_interrupted(signum: int, _) -> None:
 
 
 # ===== Optimizer: Parallel Muon for the banks, AdamW for everything else =====
-
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (Keller Jordan, modded-nanogpt)
 # Polar Express (Amsel et al. 2025; PR #1344): one (a, b, c) per iteration, the last repeated after 5
 POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -866,14 +825,18 @@ POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
                  (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
                  (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+PARAM_TABLE = (  # (group, name predicate): every parameter's optimizer and lr/wd, matched exactly once
+    ("muon", lambda n: n in BANKS),
+    ("token", lambda n: n in EMBED_TABLES),
+    ("head", lambda n: n == "lm_head.weight"),
+    ("cap", lambda n: n == "softcap_pm"),  # AsymLogit's caps (about 30): weight decay would pull them to 1/ADAM_WD
+    ("scalar", lambda n: n not in BANKS and n not in EMBED_TABLES and n not in ("lm_head.weight", "softcap_pm")))
 
 
 def newton_schulz(G_BMN: Tensor, steps: int, dtype: torch.dtype = torch.bfloat16, polar: bool = False) -> Tensor:
-    """The orthogonal polar factor U V^T of each matrix, approximately (singular values in about [0.7, 1.2]: Muon's
-    design), on the wide orientation after Frobenius normalisation; bf16 as the reference (fp32: CPU tests)."""
+    """Each matrix's approximate polar factor U V^T (singular values ~[0.7, 1.2]: Muon's design); bf16 as reference."""
     X = G_BMN.to(dtype)
-    tall = X.size(-2) > X.size(-1)
-    if tall:
+    if tall := X.size(-2) > X.size(-1):
         X = X.mT
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     for k in range(steps):  # baddbmm fuses the polynomial's sums into the matmuls: 3 kernels per step
@@ -901,9 +864,8 @@ def nesterov_momentum_(bufs: list[Tensor], grads: list[Tensor], momentum: float)
 
 
 class ParallelMuon(torch.optim.Optimizer):
-    """Muon over 3-D parameter banks, sharded over ranks along the bank dimension (PR #399). Phases:
-    launch_reduce_scatter -> finish_reduce_scatter (averaged shards) -> [caller clips] -> step (momentum + NS on the
-    local shard; a stack's all-gathers overlap the next's NS). One momentum shard a bank a rank: any world size."""
+    """Muon over 3-D banks, sharded along the bank dim (PR #399); phases: launch_reduce_scatter, finish_reduce_scatter
+    (averaged), [caller clips], step (momentum, NS of the local shard; all-gathers overlap the next stack's NS)."""
 
     def __init__(self, banks: list[Tensor], lr: float, momentum: float, weight_decay: float, ns_steps: int,
                  comm_dtype: torch.dtype, world_size: int, polar: bool = False, row_normalize: bool = False):
@@ -915,22 +877,23 @@ class ParallelMuon(torch.optim.Optimizer):
     def shard_rows(self, p: Tensor) -> int:
         return -(-p.shape[0] // self.world_size)  # bank dim padded to a multiple of world size
 
+    def gathered(self, t: Tensor, async_op: bool = False) -> tuple[Tensor, object]:
+        if self.world_size == 1:
+            return t, None
+        full = t.new_empty((t.shape[0] * self.world_size, *t.shape[1:]))
+        return full, _all_gather(full, t.contiguous(), async_op=async_op)
+
     def whole_momentum(self, p: Tensor) -> Tensor | None:
         """Bank p's momentum gathered from every rank's shard (a collective), on the CPU; None before step 1."""
         m = self.state.get(p, {}).get("momentum")
-        if m is not None and self.world_size > 1:
-            full = m.new_empty((m.shape[0] * self.world_size, *m.shape[1:]))
-            _all_gather(full, m.contiguous())
-            m = full
-        return None if m is None else m[: p.shape[0]].to("cpu", copy=True)
+        return None if m is None else self.gathered(m)[0][: p.shape[0]].to("cpu", copy=True)
 
     def load_whole_momentum(self, p: Tensor, m: Tensor | None, rank: int) -> None:
         """Inverse of whole_momentum: keep this rank's shard (any world size)."""
         self.state.pop(p, None)
         if m is not None:
             rows = self.shard_rows(p)
-            padded = m.new_zeros((rows * self.world_size, *m.shape[1:]))
-            padded[: m.shape[0]] = m
+            padded = F.pad(m, (0, 0, 0, 0, 0, rows * self.world_size - m.shape[0]))  # bank dim: rows x world size
             self.state[p]["momentum"] = padded[rank * rows: (rank + 1) * rows].to(p.device, self.comm_dtype)
 
     def launch_reduce_scatter(self) -> None:
@@ -960,7 +923,7 @@ class ParallelMuon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self) -> None:
         group = self.param_groups[0]
-        lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
+        lr, wd, mom, ns = group["lr"], group["weight_decay"], group["momentum"], group["ns_steps"]
         for p, shard, _ in self.pending:
             if "momentum" not in self.state[p]:
                 self.state[p]["momentum"] = torch.zeros_like(shard)
@@ -973,17 +936,11 @@ class ParallelMuon(torch.optim.Optimizer):
             stacks.setdefault(tuple(sorted(dvec.shape[-2:])), []).append(i)
         previous = []
         for idx in stacks.values():
-            updates = newton_schulz_stacked([directions[i] for i in idx], group["ns_steps"], bufs[idx[0]].dtype,
-                                            self.polar)
+            updates = newton_schulz_stacked([directions[i] for i in idx], ns, bufs[idx[0]].dtype, self.polar)
             current = []
             for i, update in zip(idx, updates):
                 directions[i] = None  # free each direction once orthogonalised
-                if self.world_size == 1:
-                    work, full = None, update
-                else:
-                    full = update.new_empty((update.shape[0] * self.world_size, *update.shape[1:]))
-                    work = _all_gather(full, update.contiguous(), async_op=True)
-                current.append((self.pending[i][0], full, work))
+                current.append((self.pending[i][0], *self.gathered(update, async_op=True)))
             for prev in previous:
                 self._apply(*prev, lr, wd)  # overlaps this stack's all-gathers
             previous = current
@@ -999,15 +956,6 @@ class ParallelMuon(torch.optim.Optimizer):
         p.mul_(1.0 - lr * wd).add_(full[: p.shape[0]], alpha=-lr * scale)
 
 
-PARAM_TABLE = (  # (group, name predicate): every parameter's optimizer and lr/wd, matched exactly once
-    ("muon", lambda n: n in BANKS),
-    ("token", lambda n: n in EMBED_TABLES),
-    ("head", lambda n: n == "lm_head.weight"),
-    ("cap", lambda n: n == "softcap_pm"),  # AsymLogit's caps (about 30): weight decay would pull them to 1/ADAM_WD
-    ("scalar", lambda n: n not in BANKS and n not in EMBED_TABLES and n not in ("lm_head.weight", "softcap_pm")),
-)
-
-
 def group_parameters(model: nn.Module) -> dict[str, list[tuple[str, Tensor]]]:
     groups: dict[str, list[tuple[str, Tensor]]] = {g: [] for g, _ in PARAM_TABLE}
     for name, p in model.named_parameters():
@@ -1018,8 +966,8 @@ def group_parameters(model: nn.Module) -> dict[str, list[tuple[str, Tensor]]]:
 
 
 class Optimizers:
-    """Parallel Muon + AdamW: reduce-scatter the banks and all-reduce the replicated grads (one buffer), wait, one
-    scalar all-reduce for the global grad norm, clip, AdamW, Muon with overlapped all-gathers."""
+    """Parallel Muon + AdamW (PARAM_TABLE): reduce-scatter the banks and all-reduce the replicated grads (one buffer),
+    wait, one scalar all-reduce for the global grad norm, clip, AdamW, Muon with overlapped all-gathers."""
 
     def __init__(self, model: nn.Module, cfg: Hyperparameters, rt: Runtime):
         groups = group_parameters(model)
@@ -1082,7 +1030,6 @@ class Optimizers:
 
 
 # ===== Data: challenge shards, memory-mapped; every rank/accum split sees the same global batch =====
-
 SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 1024
 GET_DATA = ("get FineWeb with `python3 data/cached_challenge_fineweb.py --variant sp8192_caseops` (network), or run "
             "`bash data/quickstart.sh` for the offline sample")
@@ -1098,8 +1045,7 @@ def span_cuts(cfg: Hyperparameters, T: int) -> int:
 
 
 def segment_room(B: int, T: int, cuts: int = 0) -> int:
-    """varlen's cu_seqlens segments for B rows of T: each row's start and `cuts` span cuts, a document per
-    DOC_BOUNDARY_TOKENS tokens (TrainLoader refuses a micro-batch with more)."""
+    """varlen's cu_seqlens segments, B rows of T: row starts, `cuts` span cuts, a document per DOC_BOUNDARY_TOKENS."""
     return B * (1 + cuts) + B * T // DOC_BOUNDARY_TOKENS
 
 
@@ -1110,13 +1056,11 @@ def tokenizer_sha256(path: str) -> str:
 
 
 def check_tokenizer(sp, tokens: np.ndarray, where: str, docs: int = 50) -> None:
-    """The tokenizer is the data's: at least 90% of the first `docs` documents decode and re-encode to their ids
-    (FineWeb's: all). Another tokenizer of the same vocabulary scored 3.18 instead of 3.42 bpb, exit 0, before."""
+    """90% of the first `docs` documents must re-encode to their ids (another tokenizer: 3.18 bpb, not 3.42, exit 0)."""
     starts = np.flatnonzero(np.asarray(tokens[:1 << 22]) == BOS_ID)[:docs + 1]
     ids = [np.asarray(tokens[a + 1:b]).tolist() for a, b in zip(starts, starts[1:])]
     ids = [d for d in ids if max(d, default=0) < sp.get_piece_size()]  # ids out of range: open_shard's to report
-    exact = sum(a == b for a, b in zip(ids, sp.encode(sp.decode(ids))))
-    if exact < 0.9 * len(ids):
+    if (exact := sum(a == b for a, b in zip(ids, sp.encode(sp.decode(ids))))) < 0.9 * len(ids):
         raise ValueError(f"TOKENIZER_PATH re-encodes only {exact} of the first {len(ids)} documents of {where} into "
                          "their ids: it is not the tokenizer these shards were made with")
 
@@ -1134,10 +1078,8 @@ def doc_keys(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def val_docs_in(tokens: np.ndarray, val: np.ndarray, val_index: dict) -> tuple[set[int], int]:
-    """The validation documents that `tokens` holds, token for token, and their tokens there; `val_index`: key ->
-    the val documents' (start, end, number) (doc_keys)."""
-    found, n = set(), 0
-    starts, ends, keys = doc_keys(tokens)
+    """The val documents in `tokens`, token for token, and their tokens; `val_index`: key -> (start, end, number)."""
+    (starts, ends, keys), found, n = doc_keys(tokens), set(), 0
     for i in np.flatnonzero(np.isin(keys, np.fromiter(val_index, np.uint64, len(val_index)))):
         a, b = starts[i], ends[i]
         same = [j for c, d, j in val_index[keys[i]] if np.array_equal(tokens[a:b], val[c:d])]
@@ -1151,14 +1093,12 @@ class ShardError(ValueError):
 
 def shard_token_count(path: str | Path) -> int:
     path = Path(path)
-    size = path.stat().st_size
-    if size < HEADER_BYTES:
+    if (size := path.stat().st_size) < HEADER_BYTES:
         raise ShardError(f"{path}: truncated shard ({size} bytes, header needs {HEADER_BYTES})")
     header = np.fromfile(path, dtype="<i4", count=256)
     if header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
         raise ShardError(f"{path}: not a challenge shard (magic {header[0]}, version {header[1]})")
-    n = int(header[2])
-    if n <= 0:
+    if (n := int(header[2])) <= 0:
         raise ShardError(f"{path}: shard holds no tokens")
     if size != HEADER_BYTES + 2 * n:
         raise ShardError(f"{path}: size {size} != {HEADER_BYTES + 2 * n} for {n} tokens (truncated?)")
@@ -1172,15 +1112,13 @@ def raw_shard(path: str | Path) -> np.ndarray:
 
 def open_shard(path: str | Path, vocab_size: int) -> np.ndarray:
     tokens = raw_shard(path)
-    top = int(tokens.max())
-    if top >= vocab_size:
+    if (top := int(tokens.max())) >= vocab_size:
         raise ShardError(f"{path}: token id {top} >= VOCAB_SIZE {vocab_size}")
     return tokens
 
 
 def shards_fingerprint(files: list[str]) -> str:
-    """16 evenly spaced tokens of each shard, hashed: other data of the same sizes differs, a token fixed in place
-    mostly does not."""
+    """16 evenly spaced tokens a shard, hashed: other data of equal sizes differs, a token fixed in place mostly not."""
     h = hashlib.sha256()
     for tokens in map(raw_shard, files):
         h.update(np.ascontiguousarray(tokens[np.linspace(0, len(tokens) - 1, 16).astype(np.int64)]).tobytes())
@@ -1202,10 +1140,8 @@ def shard_files(data_path: str, split: str) -> list[str]:
 
 
 def val_byte_sidecar(data_path: str, n_tokens: int) -> Tensor | None:
-    """Each val token's bytes of the original text (fineweb_val_bytes_*.bin, the shard layout): CaseOps data is
-    scored on the text before its case transform. None without it: the tokenizer's byte rule."""
-    files = sorted(glob.glob(str(Path(data_path) / "fineweb_val_bytes_*.bin")))
-    if not files:
+    """Each val token's original-text bytes (fineweb_val_bytes_*.bin): CaseOps is scored on the text before; or None."""
+    if not (files := sorted(glob.glob(str(Path(data_path) / "fineweb_val_bytes_*.bin")))):
         return None
     counts = np.concatenate([np.fromfile(f, "<u2", shard_token_count(f), offset=HEADER_BYTES) for f in files])
     if counts.size != n_tokens:
@@ -1216,8 +1152,7 @@ def val_byte_sidecar(data_path: str, n_tokens: int) -> Tensor | None:
 
 
 def val_manifest(data_path: str) -> tuple[dict, str]:
-    """The val set's {"docs", "tokens", "bytes"} as the data's manifest states them (DATA_PATH/manifest.json of
-    data/make_caseops.py, or the challenge export's ../manifest.json entry of this folder), and its path."""
+    """The val set's {docs, tokens, bytes} per DATA_PATH/manifest.json (make_caseops.py) or ../manifest.json; path."""
     def read(path: Path) -> dict:
         try:
             return json.loads(path.read_text()) if path.is_file() else {}
@@ -1234,20 +1169,18 @@ def val_manifest(data_path: str) -> tuple[dict, str]:
 
 
 class CoprimeSampler:
-    """Sequence sampling over all train shards (the later records' loader): the k-th sequence is slot (k * stride) mod
-    n of the n TRAIN_SEQ_LEN slots, stride coprime to n: each slot once per cycle, shards mixed, the same for every
-    world size. 0.0131 better than sequential on the 1,500-step proxy benchmark (2.5 passes over its 80M tokens)."""
+    """Over all train shards (the later records'): sequence k is slot (k * stride) mod n of n, stride coprime to n (each
+    slot once a cycle, shards mixed). 0.0131 better than sequential (1,500-step proxy: 2.5 passes over 80M tokens)."""
 
     def __init__(self, files: list[str], vocab_size: int, seq_len: int):
         self.shards = [open_shard(f, vocab_size) for f in files]
         self.starts = np.cumsum([0] + [len(t) for t in self.shards])
-        self.seq_len, self.n = seq_len, (int(self.starts[-1]) - 1) // seq_len
+        self.seq_len, self.n, self.k = seq_len, (int(self.starts[-1]) - 1) // seq_len, 0
         if self.n < 1:
             raise ValueError(f"train shards hold fewer than TRAIN_SEQ_LEN+1={seq_len + 1} tokens")
         self.stride = max(1, round(self.n * 0.6180339887))  # golden-ratio stride: neighbours land far apart
         while math.gcd(self.stride, self.n) != 1:
             self.stride += 1
-        self.k = 0
 
     def state_dict(self) -> dict:
         return {"k": self.k}
@@ -1256,7 +1189,6 @@ class CoprimeSampler:
         self.k = s["k"]
 
     def _tokens(self, lo: int, hi: int) -> np.ndarray:
-        """Global token range [lo, hi) across shard boundaries."""
         parts, i = [], int(np.searchsorted(self.starts, lo, side="right")) - 1
         while lo < hi:
             a, b = lo - self.starts[i], min(hi, self.starts[i + 1]) - self.starts[i]
@@ -1274,8 +1206,7 @@ class SequentialSampler:
     """The reference's order: the shards front to back, wrapping around, one contiguous chunk per step."""
 
     def __init__(self, files: list[str], vocab_size: int, seq_len: int):
-        self.files, self.vocab_size, self.seq_len = files, vocab_size, seq_len
-        self.file_idx, self.pos = 0, 0
+        self.files, self.vocab_size, self.seq_len, self.file_idx, self.pos = files, vocab_size, seq_len, 0, 0
         self.tokens = open_shard(files[0], vocab_size)
 
     def state_dict(self) -> dict:
@@ -1288,8 +1219,7 @@ class SequentialSampler:
 
     def take_sequences(self, count: int) -> np.ndarray:
         """count sequences of T + 1 tokens from count * T + 1; the last token is read again by the next batch."""
-        T = self.seq_len
-        parts, need = [], count * T + 1
+        T, parts, need = self.seq_len, [], count * self.seq_len + 1
         while need:
             if self.pos >= len(self.tokens):
                 self.file_idx, self.pos = (self.file_idx + 1) % len(self.files), 0
@@ -1303,10 +1233,9 @@ class SequentialSampler:
 
 
 class TrainLoader:
-    """Global batch = TRAIN_BATCH_TOKENS / TRAIN_SEQ_LEN sequences; micro-step m of rank r takes sequences
-    [(m * world + r) * s, ... + s): a step's sequences do not depend on world size or accumulation. prefetch()
-    assembles the next batch on the host (3-4 ms a record step, in the caller's thread: a worker thread stalled the
-    host 55 ms) into one of two pinned buffers and copies it on a side stream while the GPU works."""
+    """Global batch = TRAIN_BATCH_TOKENS / TRAIN_SEQ_LEN sequences; micro-step m of rank r takes [(m * world + r) * s,
+    ... + s) at any world size and accumulation. prefetch() builds the next batch in this thread (3-4 ms a record step;
+    a worker thread stalled the host 55 ms) into one of two pinned buffers, copied on a side stream as the GPU works."""
 
     def __init__(self, files: list[str], cfg: Hyperparameters, rt: Runtime):
         sampler = CoprimeSampler if cfg.train_sampling == "coprime" else SequentialSampler
@@ -1331,16 +1260,15 @@ class TrainLoader:
         state = copy.deepcopy(self.sampler.state_dict())
         try:
             seqs, s, W = self.sampler.take_sequences(self.seqs_per_step), self.seqs_per_micro, self.rt.world_size
+            if self.max_docs:  # varlen's fixed cu_seqlens: more documents would merge (every rank's counted: all stop)
+                docs = (seqs[:, 1:-1] == BOS_ID).reshape(len(seqs) // s, -1).sum(1) + s * (1 + self.cuts)
+                if docs.max() > self.max_docs:
+                    raise ShardError(f"a micro-batch holds {docs.max()} documents, more than varlen's cu_seqlens holds"
+                                     f" ({self.max_docs}: one per {DOC_BOUNDARY_TOKENS} tokens); use ATTN_BACKEND=math")
         except ShardError:  # the position stays before this batch, where a checkpoint resumes
             self.sampler.load_state_dict(state)
             raise
         mine = np.concatenate([seqs[(m * W + self.rt.rank) * s:][:s] for m in range(self.rt.grad_accum_steps)])
-        if self.max_docs:  # varlen's fixed-size cu_seqlens: more documents would merge (every rank's counted: all stop)
-            docs = (seqs[:, 1:-1] == BOS_ID).reshape(len(seqs) // s, -1).sum(1) + s * (1 + self.cuts)
-            if docs.max() > self.max_docs:  # as a bad shard: a checkpoint before this batch
-                self.sampler.load_state_dict(state)
-                raise ShardError(f"a micro-batch holds {docs.max()} documents, more than varlen's cu_seqlens holds "
-                                 f"({self.max_docs}: one per {DOC_BOUNDARY_TOKENS} tokens); use ATTN_BACKEND=math")
         if self.rt.device.type != "cuda":
             t = torch.from_numpy(mine.astype(np.int64))
             return state, t[:, :-1].contiguous(), t[:, 1:].contiguous(), None
@@ -1355,8 +1283,7 @@ class TrainLoader:
         return state, x, y, done
 
     def prefetch(self) -> None:
-        """Queue the next step's batch (once), after a step's micro-batches are launched: prefetching inside next_batch
-        left the GPU idle for the host work, as every capped iteration starts with a host sync."""
+        """Queue the next batch once a step is launched: in next_batch, host work idled the GPU (capped steps sync)."""
         if self.ahead is None:
             try:
                 self.ahead = self._load()
@@ -1367,8 +1294,7 @@ class TrainLoader:
         self.prefetch()
         if isinstance(self.ahead, ShardError):
             raise self.ahead
-        _, x, y, done = self.ahead
-        self.ahead = None
+        (_, x, y, done), self.ahead = self.ahead, None
         if done is not None:  # the compute stream waits for the copy; the memory is freed after its use
             compute = torch.cuda.current_stream(self.rt.device)
             compute.wait_event(done)
@@ -1389,7 +1315,6 @@ class TrainLoader:
 
 
 # ===== Model: banked GPT on plain PyTorch ops (the Kernels section below swaps in Triton versions) =====
-
 def rms_norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
@@ -1412,8 +1337,7 @@ def qk_norm_rope_reference(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_
 
 
 def segment_starts(ids_BT: Tensor, span: Tensor | None = None) -> Tensor:
-    """Where attention segments start: a row's start, each BOS and, with a span, every `span` tokens into a document
-    (TRAIN_SEQ_SCHEDULE: a tensor, so a new span is new data for the same graph)."""
+    """Segment starts: a row's start, each BOS, every `span` tokens into a document (a tensor: no recompile)."""
     pos = torch.arange(ids_BT.size(1), device=ids_BT.device)
     starts = (ids_BT == BOS_ID) | (pos == 0)
     if span is None:
@@ -1430,8 +1354,7 @@ def document_mask(ids_BT: Tensor, span: Tensor | None = None) -> Tensor:
 
 
 def document_segments(ids_BT: Tensor, span: Tensor | None = None, cuts: int = 0) -> Tensor:
-    """varlen's cu_seqlens (int32) of the flattened rows' segments (segment_starts), padded with B*T to a fixed
-    segment_room + 1 entries, one compiled shape (TrainLoader refuses more segments)."""
+    """varlen's int32 cu_seqlens of the rows' segments, padded with B*T to segment_room + 1: one compiled shape."""
     (B, T), dev = ids_BT.shape, ids_BT.device
     starts = segment_starts(ids_BT, span)
     nth = torch.arange(1, segment_room(B, T, cuts) + 1, device=dev)
@@ -1439,8 +1362,7 @@ def document_segments(ids_BT: Tensor, span: Tensor | None = None, cuts: int = 0)
 
 
 def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str, mask: Tensor | None = None) -> Tensor:
-    """Causal attention; with a document_mask (SDPA) or document_segments (SEGMENT_BACKENDS), within each document.
-    varlen takes K/V repeated: unrepeated (FlashAttention-2's own GQA) the step was 0.8% slower."""
+    """Causal attention, in documents given document_mask or document_segments; varlen repeats K/V (0.8% faster)."""
     if mask is not None and backend in SEGMENT_BACKENDS:
         (B, T, H, D), K = q_BTHD.shape, k_BTKD.size(2)
         if backend == "fa3":  # FlashAttention-3's varlen call, as the records make it; its GQA on unrepeated K/V
@@ -1466,8 +1388,7 @@ def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str, mask
 
 
 def exclusive_self_attention_reference(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
-    """XSA (PR #265 lineage): each head's output minus its component along its own token's normalised value, so
-    attention carries context rather than the token itself."""
+    """XSA (PR #265 lineage): each head's output minus its part along its token's normalised value (context only)."""
     (B, T, H, D), K = y_BTHD.shape, v_BTKD.size(2)
     y = y_BTHD.reshape(B, T, K, H // K, D)
     vn = F.normalize(v_BTKD, dim=-1).unsqueeze(-2)
@@ -1489,11 +1410,6 @@ def cross_entropy(logits_NV: Tensor, targets_N: Tensor, reduction: str = "mean")
     return F.cross_entropy(logits_NV.float(), targets_N, reduction=reduction)
 
 
-def softcap_loss(logits_NV: Tensor, targets_N: Tensor, cap: float | Tensor) -> Tensor:
-    """Mean training loss of raw logits (a fused Triton CE was no faster: 1,088.6 against 1,088.8 ms, H200)."""
-    return cross_entropy(softcap(logits_NV, cap), targets_N)
-
-
 @dataclass(frozen=True)
 class Ops:
     """The ops a forward needs that exist twice: as PyTorch ops (below) and as Triton kernels (Kernels)."""
@@ -1503,10 +1419,8 @@ class Ops:
 
 TORCH_OPS = Ops(qk_norm_rope_reference, exclusive_self_attention_reference)
 
-# The quantisation grid of late QAT and the export: per-row scale = clip / qmax, floored, stored (so applied) as
-# fp16; codes = round(w / scale) in [-qmax, qmax]. Both clip at the SD clip of the kind (or the row's max, searched).
 
-
+# The grid of late QAT and the export: row scale = clip / qmax, floored, fp16 (as stored); codes round(w / scale).
 def grid_scale(clip_R: Tensor, qmax: int, floor: float) -> Tensor:
     return (clip_R / qmax).clamp_min(floor).half().float()
 
@@ -1517,8 +1431,7 @@ def grid_codes(w_RC: Tensor, clip_R: Tensor, scale_R: Tensor, qmax: int) -> Tens
 
 
 def clip_sigmas(cfg: Hyperparameters, matrix: str) -> float:
-    """The SD clip k of a kind of bank matrix (0 = the clip search). Per kind, as the MLP is the more sensitive per
-    byte: PQB weights, GPTQ, attention 7 and MLP 5 coded 39 KB smaller and 0.00011 better than both at 6."""
+    """A bank matrix kind's SD clip k (0: search). MLP 5, attention 7 (PQB, GPTQ): 39 KB less, 0.00011 better than 6."""
     own = cfg.mlp_clip_sigmas if matrix.startswith("mlp.") else cfg.attn_clip_sigmas
     return own if own > 0 else cfg.matrix_clip_sigmas
 
@@ -1533,8 +1446,7 @@ def fake_quant(w: Tensor, qmax: int, floor: float, sigmas: float = 0.0) -> Tenso
 
 
 class Mode(NamedTuple):
-    """What a forward runs beyond its inputs: the loop's repeats, and late QAT's grid (codes -qat..qat; 0 = off). The
-    trainer holds the current one; every scorer runs SCORING."""
+    """A forward's extras: the loop's repeats, late QAT's grid (codes -qat..qat; 0 = off). Every scorer runs SCORING."""
     looping: bool = True
     qat: int = 0
 
@@ -1543,9 +1455,8 @@ SCORING = Mode()
 
 
 def bigram_hash(ids_BT: Tensor, buckets: int, isolate: bool = False) -> Tensor:
-    """BigramHash slot of each (previous, current) pair: a multiplicative xor hash into buckets - 1 slots; position 0
-    and, isolated, a BOS take the last. In int64: int32 wrapped past id 59,138 (below, the two agree)."""
-    t, mod = ids_BT.long(), buckets - 1
+    """BigramHash slot of (previous, current) pairs: xor hash into buckets - 1; position 0, isolated BOS: the last."""
+    t, mod = ids_BT.long(), buckets - 1  # int64: int32 wrapped past id 59,138 (below, the two agree)
     h = torch.bitwise_xor(36313 * t[:, 1:], 27191 * t[:, :-1]) % mod
     if isolate:
         h = torch.where(t[:, 1:] == BOS_ID, mod, h)
@@ -1557,8 +1468,7 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, qk_gain_init: float, gate_window: int = 0):
         super().__init__()
-        self.attn_scale = nn.Parameter(torch.ones(dim))
-        self.mlp_scale = nn.Parameter(torch.ones(dim))
+        self.attn_scale, self.mlp_scale = nn.Parameter(torch.ones(dim)), nn.Parameter(torch.ones(dim))
         self.resid_mix = nn.Parameter(torch.stack((torch.ones(dim), torch.zeros(dim))))  # (x, x0) mix
         self.q_gain = nn.Parameter(torch.full((num_heads,), qk_gain_init))
         if gate_window:  # the sparse attention gate's W
@@ -1566,9 +1476,8 @@ class Block(nn.Module):
 
 
 class Adapter(nn.Module):
-    """A test-time adapter, cls(cfg, rows, device) (DocLoRA); row b of a call is one document's. deltas: what to add
-    to each output of `names` at position s of the layer order, from their input x (the attention's q, k, v, o; the
-    MLP's "mlp"; "head", s = 0), or 0. reset(): the model as it was."""
+    """A test-time adapter, cls(cfg, rows, device) (DocLoRA), a row a document. deltas: additions to outputs `names` (q,
+    k, v, o; "mlp"; "head", s = 0) at layer-order position s from their input x, or 0. reset(): the model as it was."""
 
     def deltas(self, names: tuple[str, ...], s: int, x_BTI: Tensor) -> list[Tensor | int]:
         raise NotImplementedError
@@ -1587,9 +1496,8 @@ class Pass(NamedTuple):
 
 
 class DocLoRA(Adapter):
-    """TTT_MODE=lora's adapters (the 04-10..04-27 records'): rank-r pairs adding ALPHA/r * B A x on q, k, v, o and the
-    MLP at every position of the layer order (a repeat has its own, as in the 04-27 record) and on the head.
-    reset(): B = 0, A one fixed U(+-1/sqrt(in)) draw."""
+    """TTT_MODE=lora's adapters (the 04-10..04-27 records'): rank-r pairs adding ALPHA/r * B A x on q, k, v, o, the MLP
+    (each layer-order position: a repeat has its own) and the head. reset(): B = 0, A a fixed U(+-1/sqrt(in)) draw."""
 
     def __init__(self, cfg: Hyperparameters, rows: int, device: torch.device):
         super().__init__()
@@ -1604,8 +1512,7 @@ class DocLoRA(Adapter):
         self.index = {key: j for j, key in enumerate(keys)}
         self.A = nn.ParameterList(torch.empty(rows, r, D, device=device) for _ in keys)
         self.B = nn.ParameterList(torch.empty(rows, outs.get(n, cfg.vocab_size), r, device=device) for n, _ in keys)
-        self.A0 = [A0[key].to(device) for key in keys]
-        self.scale = cfg.ttt_lora_alpha / r
+        self.A0, self.scale = [A0[key].to(device) for key in keys], cfg.ttt_lora_alpha / r
         self.reset()
 
     @torch.no_grad()
@@ -1615,11 +1522,9 @@ class DocLoRA(Adapter):
             b.zero_()
 
     def deltas(self, names: tuple[str, ...], s: int, x_BTI: Tensor) -> list[Tensor | int]:
-        """The adapters `names` at position s of the layer order (0 where switched off), which all read x, with one
-        bmm down (q, k, v, o at once: the proxy's lora loop 34.4 -> 30.9 s on one H100)."""
+        """Adapters `names` at position s (0 where off), of input x: one bmm down (lora loop 34.4 -> 30.9 s, H100)."""
         js, B = [self.index.get((name, s)) for name in names], x_BTI.size(0)
-        on = [j for j in js if j is not None]
-        if not on:
+        if not (on := [j for j in js if j is not None]):
             return [0] * len(names)
         z = x_BTI @ torch.cat([self.A[j][:B] for j in on], 1).mT.to(x_BTI.dtype)
         out = {j: zj @ (self.scale * self.B[j][:B].mT).to(x_BTI.dtype) for zj, j in zip(z.chunk(len(on), -1), on)}
@@ -1629,8 +1534,7 @@ class DocLoRA(Adapter):
 class GPT(nn.Module):
     def __init__(self, cfg: Hyperparameters, attn_backend: str = "math", ops: Ops = TORCH_OPS):
         super().__init__()
-        L, D, V = cfg.num_layers, cfg.model_dim, cfg.vocab_size
-        kv_dim = cfg.num_kv_heads * cfg.head_dim
+        L, D, V, kv_dim = cfg.num_layers, cfg.model_dim, cfg.vocab_size, cfg.num_kv_heads * cfg.head_dim
         self.cfg, self.attn_backend, self.ops = cfg, attn_backend, ops
         self.input_scale = [1.0 / math.sqrt(i + 1) if cfg.ln_scale else 1.0 for i in range(L)]  # input scale, by layer
         self.tok_emb = nn.Embedding(V, D)
@@ -1644,8 +1548,7 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", rope[1], persistent=False)
         # TRAIN_SEQ_SCHEDULE's span, set by the trainer before each step
         self.register_buffer("span", torch.tensor(cfg.train_seq_len) if cfg.seq_spans else None, persistent=False)
-        # U-Net: the first half of the positions pushes skips, the second pops them (weights for the longest order)
-        n = len(layer_order(cfg, True))
+        n = len(layer_order(cfg, True))  # U-Net skips: the first half pushes, the second pops (the longest order's)
         self.skip_weights = nn.Parameter(torch.ones(min(n // 2, n - n // 2), D))
         if cfg.skip_gates_enabled:
             self.skip_gates = nn.Parameter(torch.zeros_like(self.skip_weights))
@@ -1664,8 +1567,7 @@ class GPT(nn.Module):
             self.smear_lambda = nn.Parameter(torch.zeros(1))
         if cfg.ve_layer_list:  # value embeddings: token identity re-injected into V of late layers
             self.ve = nn.Module()
-            self.ve.embed = nn.Embedding(V, cfg.ve_dim)
-            self.ve.proj = nn.Linear(cfg.ve_dim, kv_dim, bias=False)
+            self.ve.embed, self.ve.proj = nn.Embedding(V, cfg.ve_dim), nn.Linear(cfg.ve_dim, kv_dim, bias=False)
             self.ve.scale = nn.Parameter(torch.tensor(0.1))
             self.ve_layer_scales = nn.Parameter(torch.ones(len(cfg.ve_layer_list)))
         if not cfg.tie_embeddings:
@@ -1718,8 +1620,7 @@ class GPT(nn.Module):
 
     def hidden(self, ids_BT: Tensor, adapter: Adapter | None = None, one_doc: bool = False, mode: Mode = SCORING,
                hessians: dict | None = None) -> Tensor:
-        """The final hidden states. one_doc: each row is one document's (the scorer's under DOC_ISOLATION): causal
-        attention isolates it without a mask. hessians: observe's sums."""
+        """Final hidden states. one_doc: each row one document's (the scorer's): no mask. hessians: observe's sums."""
         cfg = self.cfg
         if ids_BT.size(1) > self.rope_cos.size(0):
             raise ValueError(f"sequence length {ids_BT.size(1)} > max(TRAIN_SEQ_LEN, EVAL_SEQ_LEN) = "
@@ -1747,11 +1648,10 @@ class GPT(nn.Module):
             banks = {k: fake_quant(b, mode.qat, cfg.int6_scale_floor, clip_sigmas(cfg, BANKS[k][0]))
                      for k, b in banks.items()}
         dtype = torch.bfloat16 if torch.is_autocast_enabled(x.device.type) else x.dtype
-        ve_BTK = None
+        ve_BTK, mask = None, None
         if cfg.ve_layer_list:
             ve_BTK = self.ve.proj(self.ve.embed(ids_BT))
             ve_BTK = ve_BTK * self.ve.scale.to(ve_BTK.dtype)
-        mask = None
         if cfg.doc_isolation and not one_doc:  # once for all layers
             mask = (document_segments(ids_BT, self.span, span_cuts(cfg, ids_BT.size(1)))
                     if self.attn_backend in SEGMENT_BACKENDS else document_mask(ids_BT, self.span))
@@ -1777,7 +1677,6 @@ class GPT(nn.Module):
         return x, (r[0] * lanes[0] + post[0, 0] * a + post[1, 0] * m, r[1] * lanes[1] + post[0, 1] * a + post[1, 1] * m)
 
     def attn(self, i: int, s: int, x: Tensor, f: Pass) -> Tensor:
-        """Layer i's attention at position s of the layer order, of x (pre-norm), scaled."""
         cfg, blk, L = self.cfg, self.blocks[i], self.cfg.num_layers
         (B, T, _), H, K, hd = x.shape, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         w = {n: layer_matrix(f.banks, n, i, L) for n in ("attn.q", "attn.k", "attn.v", "attn.o")}
@@ -1802,7 +1701,6 @@ class GPT(nn.Module):
         return blk.attn_scale.to(x.dtype) * (y if f.adapter is None else y + do)
 
     def mlp(self, i: int, s: int, x: Tensor, f: Pass) -> Tensor:
-        """Layer i's MLP at position s, of x (pre-norm), scaled: LeakyReLU(slope)^2."""
         cfg, L = self.cfg, self.cfg.num_layers
         h = observe(f.hessians, ("mlp.up",), i, rms_norm(x) * self.input_scale[i])
         u = F.linear(h, layer_matrix(f.banks, "mlp.up", i, L))
@@ -1825,8 +1723,9 @@ class GPT(nn.Module):
     def cap(self) -> float | Tensor:
         return self.softcap_pm if self.cfg.asym_logit_rescale else self.cfg.logit_softcap
 
-    def forward(self, ids_BT: Tensor, targets_BT: Tensor, mode: Mode = SCORING) -> Tensor:  # the mean training loss
-        return softcap_loss(self.raw_logits(ids_BT, mode=mode).flatten(0, 1), targets_BT.flatten(), self.cap)
+    def forward(self, ids_BT: Tensor, targets_BT: Tensor, mode: Mode = SCORING) -> Tensor:
+        """The mean training loss (a fused Triton CE was no faster: 1,088.6 against 1,088.8 ms, H200)."""
+        return cross_entropy(softcap(self.raw_logits(ids_BT, mode=mode).flatten(0, 1), self.cap), targets_BT.flatten())
 
 
 def observe(hessians: dict | None, names: tuple[str, ...], i: int, x_BTC: Tensor) -> Tensor:
@@ -1842,6 +1741,9 @@ def observe(hessians: dict | None, names: tuple[str, ...], i: int, x_BTC: Tensor
 
 # ===== Kernels: the Ops above as Triton kernels (optional; KERNELS=triton, the default on CUDA) =====
 # Each op is a torch.library.triton_op with its backward registered: inductor launches the kernels from its own code.
+QK_ROWS_PER_PROGRAM = 16  # record shapes, H200, 4 warps: 11-14% faster than 64 rows; 128 was slower
+# record shape, H200, 4 warps: 63 and 98 us per call (about 4 TB/s), within 1% of the best of 4-64 rows x 1-8 warps
+XSA_ROWS_PER_PROGRAM = 16
 
 
 def triton_op(name: str) -> Callable:
@@ -1855,15 +1757,12 @@ def triton_op(name: str) -> Callable:
     return plain
 
 
-# q/k RMSNorm + RoPE + gain: inductor's fusion took 39 ms of a 566 ms record step (H200), these 19.7 ms and 1.1 GB
-# less peak memory. Rows are (token, head) pairs; the backward recomputes the norm and writes dx and one
-# gain-gradient partial per row. Math in fp32, one bf16 rounding.
+# q/k RMSNorm + RoPE + gain: inductor's fusion took 39 ms of a 566 ms record step (H200), these 19.7 ms (peak -1.1 GB)
 if triton is not None:
     @triton.jit
     def _qk_cols(rows, n_rows, T, H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, BF: tl.constexpr,
                  BP: tl.constexpr):
-        """Columns and masks of a row's rotated halves [0, F), [F, 2F) and its rest [2F, D); its head and table
-        offsets."""
+        """Columns, masks of a row's rotated halves [0, F), [F, 2F) and its rest [2F, D); its head and table offsets."""
         rmask = rows < n_rows
         f, p = tl.arange(0, BF), tl.arange(0, BP)
         fmask = rmask[:, None] & (f < F)[None, :]
@@ -1930,9 +1829,6 @@ if triton is not None:
         tl.store(dx_ptr + rows[:, None] * D + tl.arange(0, BD)[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-QK_ROWS_PER_PROGRAM = 16  # record shapes, H200, 4 warps: 11-14% faster than 64 rows; 128 was slower
-
-
 def _require_packed_heads(t_BTHD: Tensor, op: str) -> None:
     """The kernels' row indexing: unit channel stride, heads back to back, batches of T token rows."""
     T, D = t_BTHD.size(1), t_BTHD.size(3)
@@ -1953,21 +1849,19 @@ def _qk_launch_args(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_H: Tens
         raise ValueError(f"qk_norm_rope: gain of shape {tuple(gain_H.shape)} for {H} heads")
     n_rows = B * T * H
     grid = (triton.cdiv(n_rows, QK_ROWS_PER_PROGRAM),)
-    # eps is a constant: as a float argument inductor's launcher typed it fp64, and the math with it
-    # (backward 21.7 ms per record step instead of 14.5)
+    # eps a constant: as a float argument inductor's launcher typed it fp64, and the math (backward 21.7 ms, not 14.5)
     F = cos_TF.size(1)
     meta = dict(H=H, D=D, F=F, BR=QK_ROWS_PER_PROGRAM, EPS=torch.finfo(torch.float32).eps)
     fwd = dict(meta, BF=triton.next_power_of_2(max(F, 1)), BP=triton.next_power_of_2(max(D - 2 * F, 1)))
     return grid, n_rows, x_BTHD.stride(1), T, fwd, dict(meta, BD=triton.next_power_of_2(D))
 
 
-# Without a gain, x stands in for the unread gain pointers.
 @triton_op("qk_norm_rope")
 def qk_norm_rope_triton(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_H: Tensor | None) -> Tensor:
     """qk_norm_rope_reference in one Triton kernel (CUDA, or the CPU under TRITON_INTERPRET=1)."""
     grid, n_rows, stride, T, meta, _ = _qk_launch_args(x_BTHD, cos_TF, sin_TF, gain_H)
     y = torch.empty(x_BTHD.shape, dtype=x_BTHD.dtype, device=x_BTHD.device)
-    g = x_BTHD if gain_H is None else gain_H
+    g = x_BTHD if gain_H is None else gain_H  # without a gain, x stands in for the unread gain pointer
     torch.library.wrap_triton(_qk_norm_rope_fwd)[grid](x_BTHD, cos_TF, sin_TF, g, y, n_rows, stride, T,
                                                        HAS_GAIN=gain_H is not None, **meta)
     return y
@@ -1998,9 +1892,7 @@ def _qk_backward(ctx, dy):
 
 qk_norm_rope_triton.register_autograd(_qk_backward, setup_context=_save_inputs)
 
-
-# XSA: inductor's fusion took about 12 ms of a record step (7 kernels, the normalised v kept in fp32); these made
-# the step 7.0 ms faster. A program takes BR (token, kv head) rows: a v row and its G = H/K query heads. fp32 math.
+# XSA: inductor's fusion took about 12 ms of a record step (7 kernels, normalised v in fp32); these made it 7.0 ms less
 if triton is not None:
     @triton.jit
     def _xsa_rows(r, n_rows, v_stride, K: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BG: tl.constexpr,
@@ -2046,10 +1938,6 @@ if triton is not None:
         tl.store(dv_ptr + r[:, None] * D + d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=v_mask)
 
 
-# record shape, H200, 4 warps: 63 and 98 us per call (about 4 TB/s), within 1% of the best of 4-64 rows x 1-8 warps
-XSA_ROWS_PER_PROGRAM = 16
-
-
 def _xsa_launch_args(y_BTHD: Tensor, v_BTKD: Tensor) -> tuple:
     (B, T, H, D), K = y_BTHD.shape, v_BTKD.size(2)
     if v_BTKD.shape != (B, T, K, D) or H % K:
@@ -2085,8 +1973,6 @@ def exclusive_self_attention_backward(dout_BTHD: Tensor, y_BTHD: Tensor, v_BTKD:
 
 exclusive_self_attention_triton.register_autograd(
     lambda ctx, dout: exclusive_self_attention_backward(dout, *ctx.saved_tensors), setup_context=_save_inputs)
-
-
 TRITON_OPS = Ops(qk_norm_rope_triton, exclusive_self_attention_triton) if KERNELS_HERE else None
 
 
@@ -2100,12 +1986,9 @@ def build_model(cfg: Hyperparameters, rt: Runtime) -> GPT:
 
 
 # ===== Scoring: exact sliding-window val_bpb =====
-
 def build_byte_luts(sp, vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token UTF-8 bytes of val_bpb (the challenge's rule): base bytes, a leading-space flag (a byte unless the
-    token follows a boundary token), boundary flags."""
-    n = int(sp.vocab_size())
-    if n != vocab_size:
+    """val_bpb's per-token UTF-8 bytes (the challenge's rule): base bytes, leading-space flags, boundary flags."""
+    if (n := int(sp.vocab_size())) != vocab_size:
         raise ValueError(f"tokenizer vocabulary {n} != VOCAB_SIZE {vocab_size}")
     if not any(sp.id_to_piece(i) == "\u2581" for i in range(n)):
         raise ValueError("tokenizer has no standalone U+2581 piece: its byte counts would be wrong "
@@ -2121,12 +2004,10 @@ def build_byte_luts(sp, vocab_size: int, device: torch.device) -> tuple[Tensor, 
 
 
 def sliding_windows(num_targets: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
-    """Windows (start, first scored target, end): window k starts at k*stride and scores its last `stride` targets
-    (the first all); every target exactly once (the reference re-scored the tail up to 32x)."""
+    """Windows (start, first scored, end): the k-th at k*stride scores its last `stride` (the first all); each once."""
     out = []
     for start in range(0, num_targets, stride):
-        lo = start + seq_len - stride if start else 0
-        if lo >= num_targets:
+        if (lo := start + seq_len - stride if start else 0) >= num_targets:
             break
         out.append((start, lo, min(start + seq_len, num_targets)))
     return out
@@ -2150,8 +2031,7 @@ def loss_and_bpb(sums: list[float]) -> tuple[float, float]:
 
 
 class Scorer:
-    """Scores a model on the val tokens: windows batched, split across ranks, float64 sums. Every scorer (sliding,
-    per document, both TTT modes) runs through loop() and scores rows with rows_nll()."""
+    """Val scoring: windows batched, split across ranks, float64 sums; every scorer runs loop() and rows_nll()."""
 
     def __init__(self, cfg: Hyperparameters, rt: Runtime, tokens: Tensor, luts, log: Logger | None = None,
                  val_bytes: Tensor | None = None):
@@ -2212,8 +2092,7 @@ class Scorer:
 
     def loop(self, warmup: Callable[[], None], steps: list, step: Callable[..., Tensor], progress: str = "",
              done: list[int] | None = None, header: str = "") -> Score:
-        """The one scoring loop: warmup() (the compiles) before the timer; step(s) for each of `steps` returns this
-        rank's sums; a `progress:done/total` line eight times over (done: per step); the sums reduced once."""
+        """The one scoring loop: warmup() untimed; step(s) (this rank's sums) for `steps`; 8 progress lines; reduce."""
         rt, log, t0 = self.rt, self.log, now_ms(self.rt.device)
         warmup()
         compile_ms, done = now_ms(rt.device) - t0, done or list(range(1, len(steps) + 1))
@@ -2237,10 +2116,8 @@ class Scorer:
 
 
 # ===== Legal test-time training: score a chunk, then train on it =====
-
 @contextlib.contextmanager
 def grad_flags(model: nn.Module, on: bool):
-    """The model's weights with requires_grad=on for the block; flags restored as found."""
     flags = [p.requires_grad for p in model.parameters()]
     model.requires_grad_(on)
     try:
@@ -2286,9 +2163,8 @@ def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn
 
 
 class NGramTable:
-    """#2135's token-only expert, causal in lora's order: a target with K = TOKEN_ORDER - 1 in-document predecessors
-    is a (context, next token) pair; absorb() counts the scored documents' pairs, hint() a context's top next token
-    if it holds TOKEN_THRESHOLD of the context's count. Contexts and pairs are 64-bit hashes: sorted tensors."""
+    """#2135's token-only expert, causal in lora's order: (context of K = TOKEN_ORDER - 1 in-document tokens, next
+    token) pairs of scored documents, counted (absorb); hint(): a context's top token if >= TOKEN_THRESHOLD of it."""
 
     def __init__(self, cfg: Hyperparameters, scorer: Scorer):  # its tokens: read inside its loop
         self.k, self.cfg, self.scorer, self.absorbed = cfg.token_order - 1, cfg, scorer, 0
@@ -2342,9 +2218,8 @@ class NGramTable:
 
 
 class LoraPlan(NamedTuple):
-    """lora TTT's schedule: chunks and span of each document, the documents longest first, the phases' ends, this
-    rank's steps (documents, how many of `order` global SGD then trains on, where in `order` its segment starts: the
-    n-gram counts hold the documents before it)."""
+    """lora's schedule: each document's chunks and span; documents longest first; phase ends; this rank's steps
+    (documents, how many of `order` global SGD then trains on, where in `order` its segment starts: the counts' end)."""
     chunks: list[list[tuple[int, int, int]]]
     spans: list[tuple[int, int]]
     order: list[int]
@@ -2353,8 +2228,7 @@ class LoraPlan(NamedTuple):
 
 
 def lora_plan(cfg: Hyperparameters, rt: Runtime, scorer: Scorer) -> LoraPlan:
-    """Per-document windows cut into chunks that keep their context; documents longest first (the records') in
-    lockstep batches of ttt_rows, as many on every rank."""
+    """Per-document chunks (context kept), longest first (the records'), in lockstep batches, as many on every rank."""
     starts = scorer.doc_starts(per_doc=True)  # an adapter learns one document: its windows are the document's own
     ends, rows = starts[1:] + [scorer.tokens.numel() - 1], ttt_rows(cfg, rt)
     chunks: list[list[tuple[int, int, int]]] = [[] for _ in starts]
@@ -2379,8 +2253,7 @@ def lora_warmup(cfg: Hyperparameters, rt: Runtime, model: GPT, fn: Callable, ada
     """The compiles before the timer: lora's step (one graph for all rows x lengths) and, phased, global_sgd's."""
     if rt.compile_enabled:
         x = torch.zeros(ttt_rows(cfg, rt), cfg.eval_seq_len, dtype=torch.int64, device=rt.device)
-        for dim in (0, 1):
-            torch._dynamo.maybe_mark_dynamic(x, dim)
+        torch._dynamo.maybe_mark_dynamic(x, (0, 1))
         with autocast(rt.device):
             fn(x, adapter).float().sum().backward()
         adapter.zero_grad(set_to_none=True)
@@ -2392,10 +2265,8 @@ def lora_warmup(cfg: Hyperparameters, rt: Runtime, model: GPT, fn: Callable, ada
 
 
 def lora_batch(cfg: Hyperparameters, rt: Runtime, scorer: Scorer, fn: Callable, adapter: Adapter,
-               batch: list[list[tuple[int, int, int]]], probe: dict | None,
-               ngram: tuple | None = None) -> Tensor:
-    """One lockstep batch (most chunks first): step c scores chunk c of each document still going, then takes
-    TTT_GRAD_STEPS AdamW steps on each row's mean chunk NLL (none on a last chunk); returns the sums."""
+               batch: list[list[tuple[int, int, int]]], probe: dict | None, ngram: tuple | None = None) -> Tensor:
+    """One lockstep batch: step c scores chunk c of each document still going, then takes TTT_GRAD_STEPS AdamW steps."""
     sums, rows, T = torch.zeros(3, dtype=torch.float64, device=rt.device), ttt_rows(cfg, rt), cfg.eval_seq_len
     plan = torch.zeros(len(batch[0]), rows, 5, dtype=torch.int64)  # step c's rows: window, trained, document start
     for r, d in enumerate(batch):
@@ -2453,7 +2324,6 @@ def lora_ttt(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, prob
         if train_upto:
             global_sgd(cfg, rt, model, scorer, fn, [plan.spans[i] for i in plan.order[:train_upto]])
         return sums
-
     done = list(itertools.accumulate(len(ids) for ids, *_ in plan.steps))
     with grad_flags(model, False):  # gradients reach the adapters only (and the base weights in global_sgd)
         score = scorer.loop(lambda: lora_warmup(cfg, rt, model, fn, adapter, bool(plan.phases)), plan.steps, step,
@@ -2484,7 +2354,6 @@ TTT_MODES = {"lora": TTTMode(lora_ttt, True, lora_precompile)}
 
 
 # ===== Export: int6 banks, int8 tables, fp16 rest on the grid of the Model section; no pickle; compressed =====
-
 INT6_MAX = 31  # the bank matrices' codes (FORMATS["q6"])
 CLIP_QUANTILES = (0.999, 0.9995, 0.9999, 0.99999, 1.0)  # per-row clip candidates, best MSE wins
 INT8_CLIP_QUANTILE = 0.9999984  # the reference's per-row clip for int8 tables
@@ -2494,15 +2363,25 @@ ARTIFACT_MAGIC, PAYLOAD_MAGIC = b"PGA1", b"PGT2"  # PGT1: before the settings we
 COMPRESSOR_CODES = {"zstd": 0, "rans": 3}  # 1 (xz) and 2 (an order-0 rANS): older artifacts, no longer read
 LZMA_PRESET = 6 | lzma.PRESET_EXTREME  # rANS's side data; on whole PQB payloads 34-38 KB smaller than 9|extreme
 ZSTD_FAST_LEVEL = 3  # COMPRESSOR=fast: 0.2 s vs xz's 36 s on a PQB payload; 12.24 MB vs 10.85
+GPTQ_BLOCK, GPTQ_DAMP = 128, 0.01  # columns per lazy-update block; damping as a fraction of mean(diag H)
+LQER_A_MAX, LQER_B_MAX = 1.5, 7.5  # the scales' divisors: A's codes -2..1, B's -8..7 (the records' asymmetric form)
+LQER_ROW_MAX = 7  # the fallback: A and B int4 per row, -7..7
+# rANS's bits a code: SD-clipped, a Gaussian row's on steps of k std / qmax (0.07-0.12% under the defaults' trained
+# artifacts, records/PERFORMANCE.md session 31); clip-searched, PQB's; 1.59 B a fp16 value; zstd-3 8.1% larger.
+PREDICT_SIDE_BYTES, PREDICT_MIN_BITS, PREDICT_CODER = 1.59, 0.5, {"rans": 1.0, "fast": 1.081}
+PREDICT_SEARCH_BITS = {"q6": 4.245, "q8": 7.2}  # clip-searched codes (8-bit; about a bit less per bit dropped)
+FIT_TRIES, MAX_GRID_LOG2 = 4, 4  # serialize's tries (each corrects the bits by what the last saved); f <= 16
+_DTYPES = {"int8": torch.int8, "float16": torch.float16, "float32": torch.float32}
+RANS_LANES, RANS_BITS, RANS_LOW = 2048, 14, 1 << 16  # interleaved streams; tables sum to 2^14; states in [2^16, 2^32)
+# A code's spread is about its row's RMS x its column's RMS / the rows' typical RMS, both stored as quarter-octave int8
+# logs; its table is its predicted spread's: the PQB artifact 14,797,155 B, not 15,467,919 (one order-0 table a tensor)
+RANS_TABLES, RANS_TABLE_OFFSET = 64, 24  # table t: predicted code RMS about 2^((t - 24) / 4)
 
 
 def unbank(state: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
     """Banks -> per-layer matrices named blocks.{i}.{attn.q,...}; other tensors pass through."""
-    out = {k: v for k, v in state.items() if k not in BANKS}
-    for name in MATRICES:
-        for i in range(num_layers):
-            out[f"blocks.{i}.{name}"] = layer_matrix(state, name, i, num_layers)
-    return out
+    out = {f"blocks.{i}.{n}": layer_matrix(state, n, i, num_layers) for n in MATRICES for i in range(num_layers)}
+    return {k: v for k, v in state.items() if k not in BANKS} | out
 
 
 def rebank(tensors: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
@@ -2513,13 +2392,11 @@ def rebank(tensors: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
 
 
 def quantize_rows(w: Tensor, qmax: int, quantiles: tuple[float, ...], floor: float) -> tuple[Tensor, Tensor]:
-    """Symmetric per-row quantisation: of the clip candidates (quantiles of |w| per row) the lowest whole-matrix MSE
-    wins. Returns (int8 codes, fp16 row scales)."""
-    w = w.float()
+    """Per-row symmetric codes (int8), fp16 scales: the clip candidate (|w| row quantiles) of least matrix MSE."""
+    w, best = w.float(), None
     a = w.abs()
     inner = [qt for qt in quantiles if qt < 1.0]  # one sort of |w| serves every quantile
     per_qt = dict(zip(inner, torch.quantile(a, torch.tensor(inner, device=w.device), dim=1))) if inner else {}
-    best = None
     for qt in quantiles:
         clip = a.amax(dim=1) if qt >= 1.0 else per_qt[qt]
         scale = grid_scale(clip, qmax, floor)
@@ -2530,14 +2407,10 @@ def quantize_rows(w: Tensor, qmax: int, quantiles: tuple[float, ...], floor: flo
     return best[1], best[2]
 
 
-GPTQ_BLOCK, GPTQ_DAMP = 128, 0.01  # columns per lazy-update block; damping as a fraction of mean(diag H)
-
-
 def gptq_codes(w_RC: Tensor, h_CC: Tensor, scale_R: Tensor, qmax: int) -> Tensor:
-    """GPTQ (Frantar et al. 2022; the records' full-Hessian form): codes of w on the fixed grid scale_R that keep the
-    output on the calibration inputs (H = X^T X) close. Columns in order of decreasing H_jj; each rounding error,
-    weighted by the Cholesky factor U of H^-1, goes onto the columns not yet rounded (lazily across blocks). Unreached
-    columns (H_jj = 0) are zero. float64 (0.30 s for 512x1536, fp32 0.24); the damping grows only if H is singular."""
+    """GPTQ (Frantar et al. 2022; the records' form): codes on the grid scale_R keeping the output on the calibration
+    inputs (H = X^T X) close: columns by decreasing H_jj, each rounding error, weighted by U (Cholesky of H^-1), onto
+    those not yet rounded; unreached ones zero. float64 (0.30 s for 512x1536, fp32 0.24); damped more if H singular."""
     w, h = w_RC.double().clone(), h_CC.double().clone()
     dead = h.diagonal() == 0
     h[dead, dead], w[:, dead] = 1.0, 0.0
@@ -2565,8 +2438,7 @@ def gptq_codes(w_RC: Tensor, h_CC: Tensor, scale_R: Tensor, qmax: int) -> Tensor
 
 def quantize_matrix(w_RC: Tensor, sigmas: float, floor: float, h_CC: Tensor | None, qmax: int = INT6_MAX,
                     quantiles: tuple[float, ...] = CLIP_QUANTILES, coarsen: float = 1.0) -> tuple[Tensor, Tensor]:
-    """A matrix as codes in -qmax..qmax and fp16 row scales: the scale by SD clip k (`sigmas`, the records' rule;
-    times `coarsen`) or the clip search over `quantiles` (0); the codes rounded, or GPTQ'd given its H."""
+    """Codes in -qmax..qmax, fp16 row scales: SD clip k (`sigmas` x `coarsen`) or the clip search (0); GPTQ given H."""
     if sigmas > 0:
         clip = sigmas * w_RC.std(dim=1)
         scale = (grid_scale(clip, qmax, floor) * coarsen).half().float()  # the stored one
@@ -2578,15 +2450,9 @@ def quantize_matrix(w_RC: Tensor, sigmas: float, floor: float, h_CC: Tensor | No
     return codes, scale.half()
 
 
-LQER_A_MAX, LQER_B_MAX = 1.5, 7.5  # the scales' divisors: A's codes -2..1, B's -8..7 (the records' asymmetric form)
-LQER_ROW_MAX = 7  # the fallback: A and B int4 per row, -7..7
-
-
 def lqer_factors(err_RC: Tensor, rank: int, group: int) -> dict[str, Tensor]:
-    """LQER (low-rank quantization error reconstruction): the top-`rank` SVD of a matrix's quantization error,
-    E ~ A B with A = U S (R x r) and B = V^T (r x C), stored coarsely: A int2 with one scale max|A| / 1.5, B int4 in
-    groups of `group` (flattened) with scales max|group| / 7.5; both int4 per row (max|row| / 7) if `group` does not
-    divide B. Returns lqA, lqAs, lqB, lqBs (codes int8, scales fp16); lqer_delta inverts it."""
+    """LQER: the quantization error's top-`rank` SVD, E ~ A B (A = U S, B = V^T): A int2, one scale max|A| / 1.5; B int4
+    in flattened groups of `group`, scales max / 7.5 (both int4 a row, max / 7, if `group` does not divide B)."""
     u, sv, vh = torch.linalg.svd(err_RC.float(), full_matrices=False)
     r = min(rank, sv.numel())
     a, b = u[:, :r] * sv[:r], vh[:r]
@@ -2611,12 +2477,6 @@ def lqer_delta(f: dict[str, Tensor]) -> Tensor:
     return dequantize_runs(f["lqA"], f["lqAs"]) @ dequantize_runs(f["lqB"], f["lqBs"])
 
 
-# rANS's bits a code: SD-clipped, a Gaussian row's on steps of k std / qmax (0.07-0.12% under the defaults' trained
-# artifacts, records/PERFORMANCE.md session 31); clip-searched, PQB's; 1.59 B a fp16 value; zstd-3 8.1% larger.
-PREDICT_SIDE_BYTES, PREDICT_MIN_BITS, PREDICT_CODER = 1.59, 0.5, {"rans": 1.0, "fast": 1.081}
-PREDICT_SEARCH_BITS = {"q6": 4.245, "q8": 7.2}  # clip-searched codes (8-bit; about a bit less per bit dropped)
-
-
 def sd_clip_bits(k: float, qmax: int = INT6_MAX) -> float:
     """An SD-clipped code's predicted bits (0 at k = 0: no SD clip)."""
     return max(math.log2(qmax * math.sqrt(2 * math.pi * math.e) / k), PREDICT_MIN_BITS) if k > 0 else 0.0
@@ -2634,12 +2494,10 @@ def head_name(cfg: Hyperparameters) -> str:
 
 @dataclass(frozen=True)
 class Format:
-    """How the artifact stores a weight of unbank(state), as tensors name.<part>: a new format is a new row of
-    FORMATS (read by the export, its reading, the size guard, late QAT, tools/artifact_report.py)."""
+    """How the artifact stores a weight of unbank(state), as tensors name.<part>; a new format: a new row of FORMATS."""
     kind: str  # its first part (codes or values), naming the format in an artifact
     label: str  # what tools/artifact_report.py calls it
-    holds: Callable[[Hyperparameters, str, Tensor], bool] | None  # its weights (the first row that holds); None:
-    # a correction added to a coded weight (chosen by quantize_state)
+    holds: Callable[[Hyperparameters, str, Tensor], bool] | None  # its weights (first that holds); None: a correction
     quantize: Callable  # (cfg, name, w fp32 on the CPU, GPTQ's H or None, grid coarsening) -> {part: tensor}
     dequantize: Callable[[dict[str, Tensor]], Tensor]  # {part: tensor} -> the weight (a correction's: its delta)
     bits: Callable[[Hyperparameters, str], float]  # predicted bits a weight after rANS (+ a side value a grid row)
@@ -2680,8 +2538,7 @@ FORMATS = {f.kind: f for f in (
            lambda p: p["f16"].float(), lambda cfg, name: 8 * PREDICT_SIDE_BYTES),
     Format("lqA", "LQER factors", None,  # not predicted: LQER_TOP_K x LQER_RANK x (rows + columns) small codes
            lambda cfg, name, err, h, coarsen: lqer_factors(err, cfg.lqer_rank, cfg.lqer_asym_group), lqer_delta,
-           lambda cfg, name: 0.0, ("lqAs", "lqB", "lqBs")),
-)}
+           lambda cfg, name: 0.0, ("lqAs", "lqB", "lqBs")))}
 
 
 def format_of(cfg: Hyperparameters, name: str, t: Tensor) -> Format:
@@ -2690,11 +2547,10 @@ def format_of(cfg: Hyperparameters, name: str, t: Tensor) -> Format:
 
 def stored_weights(packed: dict[str, Tensor]) -> dict[str, list[tuple[Format, dict[str, Tensor]]]]:
     """An artifact's tensors by weight: name -> (format, {part: tensor}) of each format it holds, its own first."""
-    by_name: dict[str, dict[str, Tensor]] = {}
+    by_name, out = {}, {}  # name -> {part: tensor}; name -> [(format, its parts)]
     for key, t in packed.items():
         name, part = key.rsplit(".", 1)
         by_name.setdefault(name, {})[part] = t
-    out = {}
     for name, parts in by_name.items():
         formats = [f for f in FORMATS.values() if f.kind in parts]
         known = {p for f in formats for p in (f.kind, *f.parts)}
@@ -2707,8 +2563,7 @@ def stored_weights(packed: dict[str, Tensor]) -> dict[str, list[tuple[Format, di
 
 def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dict | None = None,
                    grids: dict[str, float] | None = None, reuse: dict | None = None) -> dict[str, Tensor]:
-    """The artifact's tensors, each weight in its FORMATS row (GPTQ where it names an H); LQER for the LQER_TOP_K
-    coded matrices of the largest error. `grids`: coarser_grids' factors, the others from `reuse`. On the CPU."""
+    """Each weight in its FORMATS row (GPTQ given its H), LQER on the worst LQER_TOP_K; `reuse`d but for `grids`."""
     out, errors, grids = {}, {}, grids or {}
     for name, t in unbank(state, cfg.num_layers).items():
         t, fmt = t.detach().float().cpu(), format_of(cfg, name, t)
@@ -2730,8 +2585,7 @@ def quantize_state(state: dict[str, Tensor], cfg: Hyperparameters, hessians: dic
 
 def code_errors(packed: dict[str, Tensor], state: dict[str, Tensor], cfg: Hyperparameters,
                 hessians: dict | None) -> dict[str, tuple[float, int]]:
-    """GPTQ's objective tr(E H E^T), E = Q - W, per code of each SD-clipped coded matrix that has an H (H = I for
-    all without calibration), and its codes."""
+    """GPTQ's tr(E H E^T) (E = Q - W; H = I uncalibrated) per code, and the codes, of SD-clipped matrices with an H."""
     out = {}
     for name, w in unbank(state, cfg.num_layers).items():
         fmt = format_of(cfg, name, w)
@@ -2745,13 +2599,9 @@ def code_errors(packed: dict[str, Tensor], state: dict[str, Tensor], cfg: Hyperp
     return out
 
 
-FIT_TRIES, MAX_GRID_LOG2 = 4, 4  # serialize's tries (each corrects the bits by what the last saved); f <= 16
-
-
 def coarser_grids(errors: dict[str, tuple[float, int]], bits: float) -> dict[str, float]:
-    """Grid steps times f for about `bits` fewer bits: a code's bits fall by log2 f, its squared error grows f^2, so
-    the cheapest bits are the matrices' of least error per code c (reverse water-filling): f = sqrt(L / c) where
-    c < L, the level L set so that sum codes * log2 f = bits. `errors`: code_errors'."""
+    """Grid steps x f for about `bits` fewer bits (reverse water-filling): a code's bits fall by log2 f, its squared
+    error grows f^2, so f = sqrt(L / c) for matrices of error per code c < L; L: sum codes * log2 f = bits."""
     step = lambda x, c: min(max(0.0, x - math.log2(c)) / 2, MAX_GRID_LOG2)  # log2 f at the level 2^x
     saved = lambda x: sum(n * step(x, c) for c, n in errors.values())
     logs = [math.log2(c) for c, _ in errors.values()]
@@ -2774,19 +2624,15 @@ def predict_artifact_bytes(cfg: Hyperparameters) -> int:
 
 
 def fit_to_limit(cfg: Hyperparameters, explicit: set[str], code_bytes: int) -> Hyperparameters:
-    """AUTO_SIZE=f: the widest MLP (hidden a multiple of 64) whose predicted artifact and code fill at most f of
-    the size limit; with MLP_MULT set, the largest bigram table (rows a multiple of 64) instead."""
-    name = next((f for f in ("mlp_mult", "bigram_vocab_size") if f not in explicit), None)
-    if name is None:
+    """AUTO_SIZE=f: the widest MLP (MLP_MULT set: bigram table), in 64s, whose predicted total is <= f of the limit."""
+    if (name := next((f for f in ("mlp_mult", "bigram_vocab_size") if f not in explicit), None)) is None:
         raise ValueError("AUTO_SIZE sizes MLP_MULT or BIGRAM_VOCAB_SIZE: leave one of them unset")
     value = (lambda n: n * 64 / cfg.model_dim) if name == "mlp_mult" else (lambda n: n * 64)
     budget = cfg.auto_size * SIZE_LIMIT_BYTES - code_bytes
     fits = lambda n: predict_artifact_bytes(replace(cfg, **{name: value(n)})) <= budget
     if not fits(1):
         raise ValueError(f"AUTO_SIZE={cfg.auto_size}: even {name}={value(1)} is predicted over the limit")
-    n = 1
-    while fits(n + 1):  # one step of 64 at a time (a prediction takes 18 ms): the first n + 1 over the budget
-        n += 1
+    n = next(n for n in itertools.count(1) if not fits(n + 1))  # one step of 64 at a time (a prediction takes 18 ms)
     fitted = replace(cfg, **{name: value(n)})
     fitted.validate()
     return fitted
@@ -2821,9 +2667,6 @@ def dequantize_state(packed: dict[str, Tensor], template: dict[str, Tensor], num
                              f"{tuple(t.shape)}")
     state = rebank(flat, num_layers)
     return {k: state[k].to(template[k].dtype) for k in template}
-
-
-_DTYPES = {"int8": torch.int8, "float16": torch.float16, "float32": torch.float32}
 
 
 def _nbytes(dtype: str, shape: list[int]) -> int:
@@ -2868,9 +2711,6 @@ def _zstd():
         return zstandard
     except ImportError:
         return None
-
-
-RANS_LANES, RANS_BITS, RANS_LOW = 2048, 14, 1 << 16  # interleaved streams; tables sum to 2^14; states in [2^16, 2^32)
 
 
 def rans_tables(sym: np.ndarray, tid: np.ndarray, n_tables: int, n_sym: int) -> np.ndarray:
@@ -2939,12 +2779,6 @@ def _tensor_layout(payload: bytes) -> tuple[int, list[tuple[bool, int, list[int]
                       for _, dtype, shape in json.loads(payload[8: 8 + hlen])["tensors"]]
 
 
-# A code's spread is about its row's RMS x its column's RMS / the rows' typical RMS (rows differ by scale, columns by
-# their input's size): both RMS stored as quarter-octave int8 logs, a code's table chosen by the predicted spread.
-# On the PQB artifact 670 KB smaller than one order-0 table per tensor (14,797,155 B vs 15,467,919).
-RANS_TABLES, RANS_TABLE_OFFSET = 64, 24  # table t: predicted code RMS about 2^((t - 24) / 4)
-
-
 def rans_scale_logs(codes_RC: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows' and columns' code RMS as rounded quarter-octave logs (int8), the side data of the context."""
     ms = codes_RC.astype(np.float64) ** 2
@@ -2960,8 +2794,7 @@ def rans_contexts(row_log: np.ndarray, col_log: np.ndarray) -> np.ndarray:
 
 
 def rans_compress(payload: bytes) -> bytes:
-    """COMPRESSOR=rans: every int6 and int8 code rANS-coded with the table of its predicted spread; the rest (header,
-    scales, fp16 tensors, logs, tables, states) xz-coded beside."""
+    """COMPRESSOR=rans: int6 and int8 codes rANS-coded by their predicted spread's table; the rest xz-coded beside."""
     start, layout = _tensor_layout(payload)
     codes, rest, logs, ctx, at = [], [], [], [], start
     for is_code, n, shape in layout:
@@ -3008,8 +2841,7 @@ def rans_decompress(body: bytes) -> bytes:
 
 
 def compress(payload: bytes, method: str) -> tuple[bytes, str]:
-    """COMPRESSOR=rans (rans_compress; records/PERFORMANCE.md "Now": rANS coder) or fast (zstd at ZSTD_FAST_LEVEL,
-    for sweeps); both check integrity. Returns (artifact, coder)."""
+    """COMPRESSOR=rans (PERFORMANCE.md "Now": rANS coder) or fast (zstd, sweeps), integrity-checked: (blob, coder)."""
     if method == "rans":
         return ARTIFACT_MAGIC + bytes([COMPRESSOR_CODES["rans"]]) + rans_compress(payload), "rans"
     if _zstd() is None:
@@ -3077,7 +2909,6 @@ def read_artifact(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
 
 
 def artifact_model(cfg: Hyperparameters, rt: Runtime, tensors: dict[str, Tensor]) -> GPT:
-    """A fresh model with the weights of an artifact's tensors, and nothing else."""
     model = build_model(cfg, rt)
     model.load_state_dict(dequantize_state(tensors, model.state_dict(), cfg.num_layers))
     return model
@@ -3096,9 +2927,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def shipped_code(source: str) -> bytes:
-    """The train_gpt.py a record ships (code_bytes): this source without its prose (comments, docstrings, the
-    settings' meanings: the README's) and with its indentation cut to a space a level, xz + base85 in a stub that runs
-    it, registered in linecache for @triton.jit; without this function (records/package_record.py runs it)."""
+    """The train_gpt.py a record ships (code_bytes): this source without prose (comments, docstrings, setting meanings)
+    or this function (package_record.py runs it), an indent a space, xz + base85 in a stub (linecache: @triton.jit)."""
     import ast
     import base64
     import io
@@ -3157,10 +2987,8 @@ def shipped_bytes(code: str) -> int:
 
 
 # ===== Training: EMA, schedule, the step (CUDA graphs), the timed loop =====
-
 CHECKPOINT_MAGIC = b"pgolf-checkpoint-2\n"  # then the sha256 of the payload (32 bytes), then torch.save's bytes
-# a step starts if the clock plus CAP_MARGIN x the slowest of the last 10 fits the cap (costs 0.05% of 600 s)
-CAP_MARGIN = 1.5
+CAP_MARGIN = 1.5  # a step starts if the clock + CAP_MARGIN x the slowest of the last 10 fits the cap (0.05% of 600 s)
 PROGRESS_EVERY_S = 10.0  # a progress line (no loss: no host sync) when no step line came for this long
 
 
@@ -3178,13 +3006,11 @@ def read_checkpoint(path: str) -> dict:
 
 
 class EMA:
-    """EMA of all parameters in fp32, applied after training. Its time constant is a fraction of the run (progress
-    0..1), so one setting fits any length: decay = exp(-dp / horizon) per progress step dp (0.08 best at 1,500 and
-    3,000 proxy steps). EMA_DECAY > 0 fixes the per-step decay instead."""
+    """fp32 EMA of all parameters, applied after training; its time constant a fraction of the run, fitting any length:
+    decay exp(-dp / horizon) a progress step dp (0.08 best at 1,500 and 3,000 proxy steps); EMA_DECAY > 0 fixes it."""
 
     def __init__(self, model: nn.Module, horizon: float, fixed_decay: float = 0.0):
-        self.horizon, self.fixed_decay = horizon, fixed_decay
-        self.params = [p for p in model.parameters()]
+        self.horizon, self.fixed_decay, self.params = horizon, fixed_decay, list(model.parameters())
         self.shadow = [p.detach().float().clone() for p in self.params]
 
     def decay(self, progress_delta: float) -> float:
@@ -3200,7 +3026,6 @@ class EMA:
 
 
 def train_cap_ms(cfg: Hyperparameters) -> float:
-    """The training loop's wallclock cap: MAX_WALLCLOCK_SECONDS less what GPTQ's calibration reserves (0 = none)."""
     reserve = cfg.gptq_reserve_seconds if cfg.gptq_calibration_batches > 0 else 0.0
     return 1000.0 * (cfg.max_wallclock_seconds - reserve) if cfg.max_wallclock_seconds > 0 else 0.0
 
@@ -3232,13 +3057,11 @@ def muon_momentum_at(cfg: Hyperparameters, step: int) -> float:
 
 
 class TrainClock:
-    """The timed loop's clocks: training time (paused around scoring), whole iterations' durations (CAP_MARGIN's
-    prediction), the last log line's time."""
+    """The loop's clocks: training time (paused to score), iteration times (for CAP_MARGIN), the last line's time."""
 
     def __init__(self, device: torch.device, train_ms: float, slowest: float | None):
-        self.device, self.train_ms, self.recent_ms = device, train_ms, [slowest] if slowest else []
-        self.t0, self.t_prev = now_ms(device), None  # t_prev: the previous iteration's start (ticked)
-        self.last_line = self.t0
+        self.device, self.train_ms, self.recent_ms, self.t_prev = device, train_ms, [slowest] if slowest else [], None
+        self.t0 = self.last_line = now_ms(device)  # t_prev (above): the previous iteration's start, set by tick()
 
     def now(self) -> float:
         return self.train_ms + now_ms(self.device) - self.t0
@@ -3268,18 +3091,15 @@ class Trainer:
                  tokenizer: str = "", code: str = ""):
         self.cfg, self.rt, self.model, self.loader, self.log = cfg, rt, model, loader, log
         self.tokenizer, self.code = tokenizer, code  # their sha256s, stored in checkpoints: RESUME checks them
-        self.opt = Optimizers(model, cfg, rt)
-        self.fwd = compiled(model, rt)
+        self.opt, self.fwd = Optimizers(model, cfg, rt), compiled(model, rt)
         self.graphed = self.opt.keep_grads = rt.cuda_graphs  # graphs accumulate into fixed .grad
         self.graphs: dict[Mode, tuple] = {}  # mode -> (graph, static x, static y, static loss)
         self.warm: set[Mode] = set()  # the modes the warmup compiled
-        # where train() starts (resumed: the saved clock); the loop's repeats start off
-        self.clock = dict(step=0, train_ms=0.0, progress=0.0, qat=False, loop=False)
+        self.clock = dict(step=0, train_ms=0.0, progress=0.0, qat=False, loop=False)  # train()'s start (RESUME: saved)
         self.mode, self.qat_grid = Mode(looping=False), FORMATS["q6"].qmax(cfg)  # late QAT: the banks' export grid
         self.ckpt_path, self.signal = Path("logs") / f"{cfg.run_id}.ckpt", 0
 
     def fwd_bwd(self, x: Tensor, y: Tensor) -> Tensor:
-        """One micro-batch: forward, backward (gradients accumulate); returns its loss."""
         if not self.graphed:
             return self._fwd_bwd(x, y)
         graph, sx, sy, loss = self.graphs.get(self.mode) or self._capture(x, y)
@@ -3319,14 +3139,12 @@ class Trainer:
         return self.graphs[self.mode]
 
     def modes(self) -> list[Mode]:
-        """The modes the timed loop runs, in order (a compile and CUDA graph each): the repeats, then late QAT (which
-        brings the repeats forward: it tunes the final model)."""
+        """The loop's modes in order (a compile, a graph each): repeats, then late QAT (with them: the final model)."""
         loops, qat, at = self.cfg.num_loops > 0, self.cfg.late_qat_threshold > 0, self.cfg.enable_looping_at
         out = [Mode(loops and at == 0)] + [Mode(True)] * (loops and at > 0)
         return out + [Mode(loops, self.qat_grid)] * qat
 
     def step(self, step: int, lr_scale: float) -> Tensor:
-        """One optimizer step over the global batch; returns this rank's mean micro-batch loss."""
         self.opt.set_schedule(lr_scale, muon_momentum_at(self.cfg, step))
         loss_sum = sum(self.fwd_bwd(x, y) for x, y in self.loader.next_batch())
         self.loader.prefetch()  # host work while the GPU runs the micro-batches
@@ -3336,8 +3154,7 @@ class Trainer:
         return loss_sum / self.rt.grad_accum_steps
 
     def warmup(self) -> None:
-        """Compile on real steps, the last ones the later variants (no recompile in the timed window), capture their
-        CUDA graphs, then restore weights, optimizer state and data position exactly."""
+        """Compile every mode on real steps (none in the timed window), capture the graphs, then restore all exactly."""
         cfg, modes = self.cfg, self.modes()
         if cfg.warmup_steps <= 0:
             return
@@ -3346,8 +3163,7 @@ class Trainer:
                      "capture) inside the timed window")
         saved = copy.deepcopy(self.state(None, self.clock))
         plan = (modes[:1] * (cfg.warmup_steps - len(modes)) + modes)[:cfg.warmup_steps]
-        # all modes compile without graphs, then are captured into one pool: a compile beside another mode's pool
-        # held two activation blocks (42 GB reserved vs 21)
+        # all modes compile, then are captured into one pool: a compile beside another's pool reserved 42 GB, not 21
         graphed, self.graphed, cuda = self.graphed, False, self.rt.device.type == "cuda"
         if cuda:  # TRAIN_ACT_BYTES's measure (step 1 adds the optimizer's states)
             torch.cuda.reset_peak_memory_stats()
@@ -3372,8 +3188,7 @@ class Trainer:
         return t.item() / self.rt.world_size
 
     def train(self, scorer: Scorer, ema: EMA | None) -> tuple[int, float, int, dict | None]:
-        """The timed loop from self.clock, GPTQ's Hessians, the final checkpoint; returns (steps, training ms, the
-        signal that stopped it or 0, the Hessians or None)."""
+        """The timed loop, GPTQ's Hessians, the final checkpoint: (steps, training ms, stop signal or 0, Hessians)."""
         if self.clock.get("done"):
             step, train_ms = self.clock["step"], self.clock["train_ms"]
             return step, train_ms, 0, self.end_training(ema, step, train_ms)
@@ -3413,8 +3228,7 @@ class Trainer:
 
     def timed_loop(self, scorer: Scorer, ema: EMA | None, clocks: TrainClock) -> tuple[int, float, Tensor]:
         """Steps until ITERATIONS, the cap or a signal; returns (steps, progress, the first non-finite loss's step)."""
-        cfg, rt = self.cfg, self.rt
-        cap_ms = train_cap_ms(cfg)
+        cfg, rt, cap_ms = self.cfg, self.rt, train_cap_ms(self.cfg)
         # one host sync per iteration where ranks must agree on a clock: the cap, checkpoints, or a signal
         clocked = cap_ms > 0 or cfg.checkpoint_every > 0 or rt.world_size > 1
         first_bad = torch.full((), -1, dtype=torch.int64, device=rt.device)  # first non-finite loss step
@@ -3432,8 +3246,7 @@ class Trainer:
             if stop:
                 break
             if cfg.checkpoint_every > 0 and elapsed - last_ckpt >= 1000 * cfg.checkpoint_every:
-                # on the agreed clock: ranks' own clocks drift apart, and every rank must take part in this
-                clocks.train_ms = last_ckpt = elapsed
+                clocks.train_ms = last_ckpt = elapsed  # agreed: ranks' clocks drift, and all must take part
                 self.save_checkpoint(ema, self.where(step, progress, clocks, elapsed))
                 clocks.restart()
             lr_scale, ramp = lr_scale_at(cfg, step, elapsed), self.set_span(step, progress)
@@ -3444,8 +3257,7 @@ class Trainer:
                 self.save_checkpoint(ema, self.where(step, progress, clocks, clocks.now()))
                 raise ShardError(f"{e}; checkpoint {self.ckpt_path} written at step {step}: fix the data (or the "
                                  f"setting named), then resume with RESUME={self.ckpt_path}") from None
-            # progress on the agreed clock; a stall counts as at most 3 average steps, so no single snapshot
-            # dominates the EMA
+            # progress on the agreed clock; a stall counts as at most 3 average steps: no snapshot dominates the EMA
             done = run_progress(cfg, step + 1, elapsed)
             if ema is not None:
                 ema.update(min(done - progress, 3 * done / (step + 1)))
@@ -3507,7 +3319,6 @@ class Trainer:
         clocks.restart()
 
     def switch_modes(self, step: int, lr_scale: float, progress: float) -> None:
-        """Late QAT under LATE_QAT_THRESHOLD; the repeats at ENABLE_LOOPING_AT or with QAT."""
         cfg = self.cfg
         if cfg.late_qat_threshold > 0 and lr_scale < cfg.late_qat_threshold and not self.mode.qat:
             self.mode = self.mode._replace(qat=self.qat_grid)
@@ -3521,8 +3332,7 @@ class Trainer:
         spans, ramp = self.cfg.seq_spans, self.cfg.seq_change_warmup_steps
         if not spans:
             return 1.0
-        span = next((n for f, n in spans if progress <= f), spans[-1][1])
-        if span != self.clock.get("span", spans[0][1]):
+        if (span := next((n for f, n in spans if progress <= f), spans[-1][1])) != self.clock.get("span", spans[0][1]):
             self.clock.update(span=span, span_step=step)
             self.log(f"seq_span:{span} step:{step} progress:{progress:.3f}")
         self.model.span.fill_(span)
@@ -3554,14 +3364,11 @@ class Trainer:
         return max(min(left, cap_ms - t_ms) if cap_ms > 0 else left, 0.0) / 1000
 
     def state(self, ema: EMA | None, clock: dict) -> dict:
-        """Everything the loop needs to go on exactly (warmup's snapshot, a checkpoint's content): weights, optimizer,
-        EMA, data position, clock, RNG. A collective (the momentum gather); holds references to live tensors."""
-        cuda = self.rt.device.type == "cuda"
+        """All the loop needs to go on exactly (warmup's snapshot, a checkpoint): a collective; holds live tensors."""
         return dict(settings=asdict(self.cfg), tokenizer_sha256=self.tokenizer, code_sha256=self.code,
-                    model=self.model.state_dict(),
-                    opt=self.opt.state_dict(), ema=ema.shadow if ema is not None else None,
-                    loader=self.loader.state_dict(), rng=torch.get_rng_state(),
-                    cuda_rng=torch.cuda.get_rng_state(self.rt.device) if cuda else None, clock=clock)
+                    model=self.model.state_dict(), opt=self.opt.state_dict(), loader=self.loader.state_dict(),
+                    ema=ema.shadow if ema is not None else None, rng=torch.get_rng_state(), clock=clock,
+                    cuda_rng=torch.cuda.get_rng_state(self.rt.device) if self.rt.device.type == "cuda" else None)
 
     def load(self, state: dict, ema: EMA | None) -> None:
         self.model.load_state_dict(state["model"])
@@ -3578,8 +3385,7 @@ class Trainer:
         self.mode = Mode(self.clock["loop"], self.qat_grid if self.clock["qat"] and self.cfg.late_qat_threshold else 0)
 
     def save_checkpoint(self, ema: EMA | None, clock: dict) -> None:
-        t0 = now_ms(HOST)
-        spans = {k: self.clock[k] for k in ("span", "span_step") if k in self.clock}
+        t0, spans = now_ms(HOST), {k: self.clock[k] for k in ("span", "span_step") if k in self.clock}
         state = self.state(ema, dict(clock, qat=bool(self.mode.qat), loop=self.mode.looping, **spans))
 
         def write() -> None:
@@ -3599,10 +3405,12 @@ class Trainer:
 
 
 # ===== main: the pipeline (log header, data, train, export, scoring) and the entry point =====
+LEAK_LIMIT = 0.01  # of the val documents: more found in train shards stops the run (#2127 trained on 80%)
+ERROR_WAIT_SECONDS = 10.0  # report_error: ample for torchrun, which polls its workers every 0.1 s
+
 
 def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[str], code: str, code_bytes: int) -> None:
-    """The log's start: the source, versions, machine, every setting, warnings, the layout and outputs, the model's
-    shape and, for a training run, its predicted size."""
+    """The log's start: source, versions, machine, settings, warnings, layout, outputs, model shape, predicted size."""
     log(f"==== source: train_gpt.py ====\n{code}\n==== end source ====", console=False)
     log(f"versions python:{platform.python_version()} torch:{torch.__version__} numpy:{np.__version__} "
         f"platform:{platform.platform()}")
@@ -3613,8 +3421,7 @@ def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[st
     else:
         log(f"device name:cpu threads:{torch.get_num_threads()}")
     log(f"world_size:{rt.world_size}")
-    for n in sorted(SETTINGS):
-        log(f"setting {n}:{getattr(cfg, n)}", console=False)
+    log("\n".join(f"setting {n}:{getattr(cfg, n)}" for n in sorted(SETTINGS)), console=False)
     for w in warnings:
         log(f"warning {w}")
     log(rt.describe())
@@ -3649,12 +3456,8 @@ def log_score(log: Logger, key: str, s: Score, extra: str = "") -> None:
     log(f"{key}_exact val_loss:{s.loss:.8f} val_bpb:{s.bpb:.8f}")
 
 
-LEAK_LIMIT = 0.01  # of the val documents: more found in train shards stops the run (#2127 trained on 80%)
-
-
 def check_train_shards(cfg: Hyperparameters, rt: Runtime, log: Logger, sp, val: np.ndarray) -> None:
-    """Every train shard, each rank its share: made with this tokenizer, holding at most LEAK_LIMIT of the val
-    documents (token for token; the web has duplicates)."""
+    """Each rank's share of the train shards: this tokenizer's, holding <= LEAK_LIMIT of the val documents."""
     t0, files, index = time.perf_counter(), shard_files(cfg.data_path, "train"), {}
     starts, ends, keys = doc_keys(val)
     for j, (a, b, key) in enumerate(zip(starts, ends, keys)):
@@ -3691,10 +3494,8 @@ def validation_scorer(cfg: Hyperparameters, rt: Runtime, log: Logger, tokenizer:
     if (cfg.smear_bos_fix or cfg.doc_isolation) and sp.bos_id() != BOS_ID:
         raise ValueError(f"SMEAR_BOS_FIX=1 and DOC_ISOLATION=1 find documents by BOS id {BOS_ID}; "
                          f"TOKENIZER_PATH's is {sp.bos_id()}")
-    luts = build_byte_luts(sp, cfg.vocab_size, rt.device)
-    val_files = shard_files(cfg.data_path, "val")
-    val_tokens = torch.from_numpy(np.concatenate([np.asarray(open_shard(f, cfg.vocab_size)) for f in val_files])
-                                  .astype(np.int64))
+    luts, val_files = build_byte_luts(sp, cfg.vocab_size, rt.device), shard_files(cfg.data_path, "val")
+    val_tokens = torch.from_numpy(np.concatenate([open_shard(f, cfg.vocab_size) for f in val_files]).astype(np.int64))
     val_bytes = val_byte_sidecar(cfg.data_path, val_tokens.numel())
     if val_bytes is None and sp.piece_to_id(CASEOPS_TITLE) != sp.unk_id():  # its pieces' bytes are not the text's
         raise ValueError("TOKENIZER_PATH is a CaseOps tokenizer, and DATA_PATH has no byte sidecar "
@@ -3713,15 +3514,13 @@ def validation_scorer(cfg: Hyperparameters, rt: Runtime, log: Logger, tokenizer:
     scorer = Scorer(cfg, rt, val_tokens, luts, log, val_bytes)
     log(f"val_tokens:{counts['tokens']} val_docs:{counts['docs']} scored_targets:{val_tokens.numel() - 1} "
         f"eval_batch_seqs:{scorer.batch_seqs} byte_rule:{scorer.byte_rule} manifest:{manifest[1] or 'none'}")
-    sample = is_sample_shard(val_files[0])
-    if sample:
+    if sample := is_sample_shard(val_files[0]):
         log("sample_data: the offline sample (data/make_sample.py): scores are not comparable to FineWeb scores")
     return scorer, sample
 
 
 def precompile_eval(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer) -> None:
-    """Every graph the evaluation runs (the scorer's, the TTT mode's), compiled before any clock on a model of random
-    weights and zero tokens; the artifact's model, of the same shapes, finds them cached."""
+    """Every eval graph (scorer's, TTT mode's) compiled before any clock, on a random model: the artifact's reuses."""
     if not rt.compile_enabled:
         return
     t0, model, mode = now_ms(rt.device), build_model(cfg, rt), TTT_MODES[cfg.ttt_mode]
@@ -3752,9 +3551,8 @@ def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: 
     if stopped_by:
         return model, None, train_ms, stopped_by, 0.0
     s = scorer(model, cfg.eval_seq_len)
-    log(f"step:{steps}/{cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} "
-        f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(steps, 1):.2f}ms "
-        f"eval_time:{s.time_ms:.0f}ms eval_compile_time:{s.compile_ms:.0f}ms")
+    log(f"step:{steps}/{cfg.iterations} val_loss:{s.loss:.4f} val_bpb:{s.bpb:.4f} train_time:{train_ms:.0f}ms "
+        f"step_avg:{train_ms / max(steps, 1):.2f}ms eval_time:{s.time_ms:.0f}ms eval_compile_time:{s.compile_ms:.0f}ms")
     if ema is not None:
         ema.copy_to_model()
         log_score(log, "post_ema", scorer(model, cfg.eval_seq_len))
@@ -3765,8 +3563,7 @@ def train(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, ckpt: 
 
 def export(cfg: Hyperparameters, rt: Runtime, log: Logger, model: GPT, hessians: dict | None, meta: dict,
            code_bytes: int) -> dict | None:
-    """Rank 0 writes the artifact to ARTIFACT_PATH, a rANS one fitted to the size limit; every rank returns, once it
-    is on disk, the tensors before a fit (serialize) or None."""
+    """Rank 0 writes ARTIFACT_PATH (rANS's fitted to the limit); then all ranks return the unfitted tensors or None."""
     def write() -> dict | None:
         t0 = time.perf_counter()
         blob, coder, fit = serialize(model, cfg, meta, hessians, SIZE_LIMIT_BYTES - code_bytes)
@@ -3782,8 +3579,7 @@ def export(cfg: Hyperparameters, rt: Runtime, log: Logger, model: GPT, hessians:
 
 def score_artifact(cfg: Hyperparameters, rt: Runtime, log: Logger, scorer: Scorer, tensors: dict[str, Tensor],
                    unfitted: dict | None) -> tuple[str, Score]:
-    """The artifact's scores on a model of its tensors alone: round trip, sliding window (per document too, a TTT
-    mode's baseline), TTT; last, the tensors before the size fit. Returns the final score's key and the score."""
+    """The artifact's scores from its tensors alone: round trip, sliding (per document: TTT's baseline), TTT, unfit."""
     model = artifact_model(cfg, rt, tensors)
     log_score(log, "final_int6_roundtrip", roundtrip := scorer(model, cfg.eval_seq_len))
     if cfg.sliding_eval_enabled:  # without it TTT gives the only EVAL_STRIDE score (the records)
@@ -3812,8 +3608,7 @@ def main() -> int:
     code = globals().get("READABLE_SOURCE") or Path(__file__).read_text(encoding="utf-8")
     cfg, warnings = Hyperparameters.from_env()
     explicit, code_sha = {n for n in SETTINGS if n.upper() in os.environ}, hashlib.sha256(code.encode()).hexdigest()
-    ckpt = read_checkpoint(cfg.resume) if cfg.resume else None
-    if ckpt is not None:  # the checkpoint's settings, except what names this run
+    if (ckpt := read_checkpoint(cfg.resume) if cfg.resume else None) is not None:  # its settings, but this run's names
         names = tuple(n for n in SETTINGS if n not in ("run_id", "resume", "eval_only", "artifact_path"))
         used = "the environment's value is used" + (" where it still acts (a finished run's checkpoint: export and "
                                                     "scoring only)" if ckpt["clock"].get("done") else "")
@@ -3837,8 +3632,7 @@ def main() -> int:
     warnings += cfg.unread(explicit)
     rt = init_runtime(cfg)
     check_same_on_ranks({k: v for k, v in os.environ.items() if k.lower() in SETTINGS})
-    claimed = claim_outputs(cfg, rt)
-    if claimed.run_id != cfg.run_id:
+    if (claimed := claim_outputs(cfg, rt)).run_id != cfg.run_id:
         warnings.append(f"RUN_ID {cfg.run_id} is taken in logs/: this run is RUN_ID={claimed.run_id}")
     cfg = claimed
     log = Logger(cfg.run_id, rt.is_main)
@@ -3876,9 +3670,8 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
         precompile_eval(cfg, rt, log, scorer)
     train_ms, unfitted, eval_start = 0.0, None, time.perf_counter()  # EVAL_ONLY: eval_wall from here
     if not cfg.eval_only:
-        accum = rt.grad_accum_steps
-        with memory_advice(rt, f"GRAD_ACCUM_STEPS={2 * accum} halves the micro-batch (the same global batch and "
-                           "math); CUDA_GRAPHS=0 frees the graphs' pool in the optimizer step"):
+        with memory_advice(rt, f"GRAD_ACCUM_STEPS={2 * rt.grad_accum_steps} halves the micro-batch (the same global "
+                           "batch and math); CUDA_GRAPHS=0 frees the graphs' pool in the optimizer step"):
             model, hessians, train_ms, stopped_by, eval_start = train(cfg, rt, log, scorer, ckpt, tokenizer, code_sha)
         if stopped_by:
             if rt.is_main:  # nothing exported: the claim goes back
@@ -3903,17 +3696,12 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     now = time.perf_counter()
     log(f"summary score:{key} val_bpb:{score.bpb:.8f} artifact:{artifact} total_bytes:{total} train_time:"
         f"{train_ms / 1000:.1f}s eval_time:{score.time_ms / 1000:.1f}s eval_wall:{now - eval_start + decode_s:.1f}s "
-        f"wall_time:{now - t_start + decode_s:.1f}s"
-        + (" sample_data:not_comparable_to_FineWeb" if sample else ""))
+        f"wall_time:{now - t_start + decode_s:.1f}s" + (" sample_data:not_comparable_to_FineWeb" if sample else ""))
     if over:
         again = trained if trained.is_file() else cfg.resume
         log(f"ERROR submission_over_limit total:{total} limit:{SIZE_LIMIT_BYTES} over_by:{total - SIZE_LIMIT_BYTES}"
             + (f" (export again from RESUME={again})" if again else ""))
-        return 1
-    return 0
-
-
-ERROR_WAIT_SECONDS = 10.0  # report_error: ample for torchrun, which polls its workers every 0.1 s
+    return int(over)
 
 
 def error_text(e: BaseException) -> str:
