@@ -17,4 +17,7 @@ export MUON_MOMENTUM_WARMUP_STEPS=${MUON_MOMENTUM_WARMUP_STEPS:-20} EMA_DECAY=${
 export MAX_WALLCLOCK_SECONDS=${MAX_WALLCLOCK_SECONDS:-0} TRAIN_LOG_EVERY=${TRAIN_LOG_EVERY:-25}
 export EVAL_SEQ_LEN=${EVAL_SEQ_LEN:-256} EVAL_STRIDE=${EVAL_STRIDE:-64} VAL_BATCH_SIZE=${VAL_BATCH_SIZE:-65536}
 export PHASED_TTT_PREFIX_DOCS=${PHASED_TTT_PREFIX_DOCS:-15}  # the default's 2,500 of 50,000, of the sample's 301
+# the sample's documents average about 30 tokens: with DEVICE=cuda, more in a micro-batch than varlen's cu_seqlens
+# holds (one per 256 tokens; FineWeb's average 960), so document isolation takes SDPA's mask (the CPU's backend too)
+export ATTN_BACKEND=${ATTN_BACKEND:-math}
 exec python3 train_gpt.py
