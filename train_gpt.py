@@ -4,7 +4,7 @@ Record run:   torchrun --standalone --nproc_per_node=8 train_gpt.py
 One process:  python3 train_gpt.py        (the CPU too: tiny configs, SDPA math, no compile)
 Every setting is an environment variable named after a Hyperparameters field (README lists them all).
 Seed system: PR #399 (parameter banking + Parallel Muon) on the PR #315/#414 model stack. A feature earns its lines
-with a measured gain. PQB, pqb-t: the proxy benchmark (records/PERFORMANCE.md "Now").
+with a measured gain. PQB, pqb-t: the proxy benchmark (records/PERFORMANCE.md "Now"). Budget: 3,750 lines.
 
 Sections, each using only those above it: Config, Runtime, Optimizer, Data, Model, Kernels (and build_model),
 Scoring, Legal TTT, Export, Training, main (the pipeline); but TTT_MODE's choices are TTT_MODES' names. Extension
@@ -58,7 +58,7 @@ DROPPED_SETTINGS = {"SWA_ENABLED", "SWA_EVERY", "DTG_ENABLED", "LATE_QAT", "QAT_
                     "FP8_ENABLED",  # ours until 2026-11: no faster at the record micro-batch, 0.002-0.003 bpb worse
                     "ATTN_OUT_GATE_ENABLED",  # ours until 2026-11-26: the dense form of the sparse gate
                     "TTT_LR", "TTT_EPOCHS", "TTT_CHUNK_TOKENS", "TTT_FREEZE_BLOCKS", "TTT_MOMENTUM", "TTT_BATCH_SEQS",
-                    "TTT_GRAD_CLIP",  # the reference's full TTT (our TTT_MODE=sgd until 2026-11-28): lora gains 8x more
+                    "TTT_GRAD_CLIP",  # these TTT_*: the reference's full TTT (our sgd until 11-28); lora gains 8x more
                     "TTT_WARM_START_A"}  # ours until 2026-11-28: -0.0004, under twice the seed spread
 DROPPED_PREFIXES = ("LAWA_", "MTP_")
 # Environment variables of launchers and libraries that share a word with our fields.
@@ -651,7 +651,7 @@ def init_runtime(cfg: Hyperparameters, env: dict[str, str] | None = None) -> Run
 
 
 def check_same_on_ranks(env: dict[str, str]) -> None:
-    """Rank 0's settings (RESUME too) on every rank: a differing one was silently replaced, or changed the model."""
+    """Every rank's settings (RESUME too) must be rank 0's, else an error: a differing one was silently replaced."""
     if _distributed():
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, env)
@@ -691,11 +691,10 @@ def all_reduce_sum_(t: Tensor, async_op: bool = False):
 
 
 class FlatTensors:
-    """Tensors as one fp32 buffer: one async all-reduce, one kernel, not 98 (stacked NS: optimizer 2.24 -> 1.95 ms)."""
+    """Tensors as one fp32 buffer: one async all-reduce, one kernel, not 98 (+ stacked NS: optimizer 2.24->1.95 ms)."""
 
     def __init__(self, tensors: list[Tensor]):
-        self.tensors = tensors
-        self.flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        self.tensors, self.flat = tensors, torch.cat([t.reshape(-1).float() for t in tensors])
         self.work = all_reduce_sum_(self.flat, async_op=True)
 
     def mean(self) -> Tensor:
@@ -727,7 +726,7 @@ def now_ms(device: torch.device) -> float:
 
 @contextlib.contextmanager
 def memory_advice(rt: Runtime, change: str):
-    """A CUDA out-of-memory error inside gets a note: the memory here and the setting to change (torch's named none)."""
+    """CUDA out of memory inside gets a note: the memory here, the setting to change (issue 58: torch's named none)."""
     try:
         yield
     except torch.cuda.OutOfMemoryError as e:
@@ -1001,8 +1000,7 @@ class Optimizers:
         self.muon.launch_reduce_scatter()
         # never empty: the token table is in every forward
         replicated = FlatTensors([p.grad for p in self.replicated if p.grad is not None])
-        sq = self.muon.finish_reduce_scatter()
-        flat = replicated.mean()
+        sq, flat = self.muon.finish_reduce_scatter(), replicated.mean()
         if self.rank == 0:  # replicated grads are identical on all ranks: count them once
             sq = sq + flat.dot(flat)
         all_reduce_sum_(sq)
@@ -1140,7 +1138,7 @@ def shard_files(data_path: str, split: str) -> list[str]:
 
 
 def val_byte_sidecar(data_path: str, n_tokens: int) -> Tensor | None:
-    """Each val token's original-text bytes (fineweb_val_bytes_*.bin): CaseOps is scored on the text before; or None."""
+    """Each val token's bytes before CaseOps' case transform (fineweb_val_bytes_*.bin); None: the tokenizer's rule."""
     if not (files := sorted(glob.glob(str(Path(data_path) / "fineweb_val_bytes_*.bin")))):
         return None
     counts = np.concatenate([np.fromfile(f, "<u2", shard_token_count(f), offset=HEADER_BYTES) for f in files])
@@ -1390,8 +1388,7 @@ def attention(q_BTHD: Tensor, k_BTKD: Tensor, v_BTKD: Tensor, backend: str, mask
 def exclusive_self_attention_reference(y_BTHD: Tensor, v_BTKD: Tensor) -> Tensor:
     """XSA (PR #265 lineage): each head's output minus its part along its token's normalised value (context only)."""
     (B, T, H, D), K = y_BTHD.shape, v_BTKD.size(2)
-    y = y_BTHD.reshape(B, T, K, H // K, D)
-    vn = F.normalize(v_BTKD, dim=-1).unsqueeze(-2)
+    y, vn = y_BTHD.reshape(B, T, K, H // K, D), F.normalize(v_BTKD, dim=-1).unsqueeze(-2)
     return (y - (y * vn).sum(-1, keepdim=True) * vn).reshape(B, T, H, D)
 
 
@@ -1742,7 +1739,7 @@ def observe(hessians: dict | None, names: tuple[str, ...], i: int, x_BTC: Tensor
 # ===== Kernels: the Ops above as Triton kernels (optional; KERNELS=triton, the default on CUDA) =====
 # Each op is a torch.library.triton_op with its backward registered: inductor launches the kernels from its own code.
 QK_ROWS_PER_PROGRAM = 16  # record shapes, H200, 4 warps: 11-14% faster than 64 rows; 128 was slower
-# record shape, H200, 4 warps: 63 and 98 us per call (about 4 TB/s), within 1% of the best of 4-64 rows x 1-8 warps
+# XSA, record shape, H200, 4 warps: 63 / 98 us a call (about 4 TB/s), within 1% of the best of 4-64 rows x 1-8 warps
 XSA_ROWS_PER_PROGRAM = 16
 
 
@@ -1757,7 +1754,8 @@ def triton_op(name: str) -> Callable:
     return plain
 
 
-# q/k RMSNorm + RoPE + gain: inductor's fusion took 39 ms of a 566 ms record step (H200), these 19.7 ms (peak -1.1 GB)
+# q/k RMSNorm + RoPE + gain: inductor's fusion took 39 ms of a 566 ms record step (H200), these 19.7 ms (peak -1.1 GB).
+# Rows are (token, head) pairs; the backward recomputes the norm, writes dx and a gain-gradient partial a row; fp32 math
 if triton is not None:
     @triton.jit
     def _qk_cols(rows, n_rows, T, H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, BF: tl.constexpr,
@@ -1871,8 +1869,7 @@ def qk_norm_rope_triton(x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor, gain_H: 
 def qk_norm_rope_backward(dy_BTHD: Tensor, x_BTHD: Tensor, cos_TF: Tensor, sin_TF: Tensor,
                           gain_H: Tensor | None) -> tuple[Tensor, Tensor]:
     grid, n_rows, stride, T, _, meta = _qk_launch_args(x_BTHD, cos_TF, sin_TF, gain_H)
-    dy = dy_BTHD.contiguous()
-    dx = torch.empty(x_BTHD.shape, dtype=x_BTHD.dtype, device=x_BTHD.device)
+    dy, dx = dy_BTHD.contiguous(), torch.empty(x_BTHD.shape, dtype=x_BTHD.dtype, device=x_BTHD.device)
     gain = gain_H is not None
     g, dg_rows = (gain_H, torch.empty(n_rows, dtype=torch.float32, device=x_BTHD.device)) if gain else (x_BTHD, x_BTHD)
     torch.library.wrap_triton(_qk_norm_rope_bwd)[grid](dy, x_BTHD, cos_TF, sin_TF, g, dx, dg_rows, n_rows, stride, T,
@@ -1892,7 +1889,8 @@ def _qk_backward(ctx, dy):
 
 qk_norm_rope_triton.register_autograd(_qk_backward, setup_context=_save_inputs)
 
-# XSA: inductor's fusion took about 12 ms of a record step (7 kernels, normalised v in fp32); these made it 7.0 ms less
+# XSA: inductor's fusion took about 12 ms of a record step (7 kernels, normalised v in fp32); these made it 7.0 ms less.
+# A program takes BR (token, kv head) rows: a v row and its G = H/K query heads; fp32 math
 if triton is not None:
     @triton.jit
     def _xsa_rows(r, n_rows, v_stride, K: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BG: tl.constexpr,
@@ -2004,7 +2002,7 @@ def build_byte_luts(sp, vocab_size: int, device: torch.device) -> tuple[Tensor, 
 
 
 def sliding_windows(num_targets: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
-    """Windows (start, first scored, end): the k-th at k*stride scores its last `stride` (the first all); each once."""
+    """(start, first scored, end): window k at k*stride scores its last `stride`, the first all: each target once."""
     out = []
     for start in range(0, num_targets, stride):
         if (lo := start + seq_len - stride if start else 0) >= num_targets:
@@ -2163,8 +2161,8 @@ def global_sgd(cfg: Hyperparameters, rt: Runtime, model: GPT, scorer: Scorer, fn
 
 
 class NGramTable:
-    """#2135's token-only expert, causal in lora's order: (context of K = TOKEN_ORDER - 1 in-document tokens, next
-    token) pairs of scored documents, counted (absorb); hint(): a context's top token if >= TOKEN_THRESHOLD of it."""
+    """#2135's token-only expert, causal in lora's order: (K = TOKEN_ORDER - 1 in-document tokens, next) pairs of scored
+    documents counted (absorb), as 64-bit hashes in sorted tensors; hint(): a context's top token at TOKEN_THRESHOLD."""
 
     def __init__(self, cfg: Hyperparameters, scorer: Scorer):  # its tokens: read inside its loop
         self.k, self.cfg, self.scorer, self.absorbed = cfg.token_order - 1, cfg, scorer, 0
@@ -2266,7 +2264,8 @@ def lora_warmup(cfg: Hyperparameters, rt: Runtime, model: GPT, fn: Callable, ada
 
 def lora_batch(cfg: Hyperparameters, rt: Runtime, scorer: Scorer, fn: Callable, adapter: Adapter,
                batch: list[list[tuple[int, int, int]]], probe: dict | None, ngram: tuple | None = None) -> Tensor:
-    """One lockstep batch: step c scores chunk c of each document still going, then takes TTT_GRAD_STEPS AdamW steps."""
+    """One lockstep batch (most chunks first): step c scores chunk c of each document still going, then takes
+    TTT_GRAD_STEPS AdamW steps on each row's mean chunk NLL (none on a last chunk); returns the sums."""
     sums, rows, T = torch.zeros(3, dtype=torch.float64, device=rt.device), ttt_rows(cfg, rt), cfg.eval_seq_len
     plan = torch.zeros(len(batch[0]), rows, 5, dtype=torch.int64)  # step c's rows: window, trained, document start
     for r, d in enumerate(batch):
@@ -2452,7 +2451,8 @@ def quantize_matrix(w_RC: Tensor, sigmas: float, floor: float, h_CC: Tensor | No
 
 def lqer_factors(err_RC: Tensor, rank: int, group: int) -> dict[str, Tensor]:
     """LQER: the quantization error's top-`rank` SVD, E ~ A B (A = U S, B = V^T): A int2, one scale max|A| / 1.5; B int4
-    in flattened groups of `group`, scales max / 7.5 (both int4 a row, max / 7, if `group` does not divide B)."""
+    in flattened groups of `group`, scales max / 7.5 (both int4 a row, max / 7, if `group` does not divide B).
+    Returns lqA, lqAs, lqB, lqBs (int8 codes, fp16 scales); lqer_delta inverts it."""
     u, sv, vh = torch.linalg.svd(err_RC.float(), full_matrices=False)
     r = min(rank, sv.numel())
     a, b = u[:, :r] * sv[:r], vh[:r]
