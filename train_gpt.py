@@ -763,7 +763,7 @@ def claim_outputs(cfg: Hyperparameters, rt: Runtime) -> Hyperparameters:
         create = lambda path: os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # or raise
         if cfg.artifact_path and not cfg.eval_only:  # claimed as an empty file now: no other run can take it
             if artifact.suffix in (".txt", ".ckpt") and not artifact.exists():
-                raise FileExistsError(f"ARTIFACT_PATH {artifact} is named like a log or checkpoint")
+                raise ValueError(f"ARTIFACT_PATH {artifact} is named like a log or checkpoint (.txt, .ckpt)")
             try:
                 create(artifact)
             except FileExistsError:

@@ -327,9 +327,10 @@ def test_an_artifact_path_that_exists_or_names_a_log_is_refused_at_the_start(dat
     assert r.returncode == 1 and "step:" not in r.stdout
     assert "error: FileExistsError: ARTIFACT_PATH logs/old.txt exists: a run never overwrites a file" in r.stderr
     monkeypatch.chdir(tmp_path)
-    for path, why in (("logs/other.int6.ptz", "exists"), ("logs/new.txt", "is named like a log or checkpoint"),
-                      ("logs/x.ckpt", "is named like a log or checkpoint")):
-        with pytest.raises(FileExistsError, match=f"ARTIFACT_PATH {path} {why}"):
+    for path, why, error in (("logs/other.int6.ptz", "exists", FileExistsError),  # a name, not a file: a ValueError
+                             ("logs/new.txt", "is named like a log or checkpoint", ValueError),
+                             ("logs/x.ckpt", "is named like a log or checkpoint", ValueError)):
+        with pytest.raises(error, match=f"ARTIFACT_PATH {path} {why}"):
             tg.claim_outputs(tg.Hyperparameters(run_id="new", artifact_path=path), tg.Runtime())
     assert all((tmp_path / "logs" / n).read_text() == "keep me" for n in ("old.txt", "other.int6.ptz"))
     assert not (tmp_path / "logs" / "new.txt").exists()  # a refused run claims no name
