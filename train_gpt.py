@@ -3657,7 +3657,7 @@ def main() -> int:
 
 
 def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: list[str], ckpt: dict | None,
-        stored: tuple | None, tokenizer: str, code_sha: str = "", decode_s: float = 0.0) -> int:
+        stored: tuple | None, tokenizer: str, code_sha: str, decode_s: float) -> int:
     """The pipeline: train -> export -> score the artifact file (and TTT on it); EVAL_ONLY scores `stored`."""
     t_start, code_bytes = time.perf_counter(), shipped_bytes(code)
     torch.manual_seed(cfg.seed)

@@ -458,11 +458,11 @@ def prev_record_losses(paths: list[Path]) -> list[float]:
             run = parse_log(path)
         except Refusal as e:
             raise Refusal(f"{path}: {e}") from None
-        if run.score_event is not None or run.source is not None:  # ours: no final score line is refused below
-            if run.score_event is None:
-                raise Refusal(f"{path}: previous-record log has no final score line ({' or '.join(SCORE_EVENTS)})")
+        if run.score_event is not None:
             losses.append(run.val_loss)
             continue
+        if run.source is not None:  # ours without its final line: not another script's score line
+            raise Refusal(f"{path}: previous-record log has no final score line ({' or '.join(SCORE_EVENTS)})")
         scores = [m for line in path.read_text(encoding="utf-8").splitlines()
                   if (m := FOREIGN_SCORE.fullmatch(line)) and not m[1].startswith("step:")]
         if not scores:
