@@ -344,7 +344,8 @@ class Hyperparameters:
 
     def unread(self, explicit: set[str]) -> list[str]:
         """Warnings once stored settings are adopted: `explicit` ones not read; a warmdown past a step-capped run."""
-        out = [f"setting {n.upper()} {why}" for n in SETTINGS if n in explicit and (why := self.ignored(n))]
+        out = [f"setting {n.upper()} {why}" for n in SETTINGS if n in explicit and (why := self.ignored(n) or (
+            self.eval_only and n in NOT_SCORING and "is ignored: EVAL_ONLY scores a made artifact"))]
         if self.max_wallclock_seconds == 0 and self.warmdown_iters > self.iterations:
             out.append(f"WARMDOWN_ITERS={self.warmdown_iters} > ITERATIONS={self.iterations} (a step-capped run): "
                        f"the lr starts at {self.iterations / self.warmdown_iters:.3f} of its peak")
@@ -454,6 +455,10 @@ SETTINGS = {f.name: f for f in fields(Hyperparameters)}
 MODEL_SETTINGS = tuple(n for n, f in SETTINGS.items() if f.metadata["model"])
 # Model settings added after artifacts existed: what one made before them meant (125da04: the record's SmearGate)
 ADDED_MODEL_SETTINGS = {"smear_gate_enabled": False, "asym_logit_rescale": False}
+# Read by training and the export only (ITERATIONS..AUTO_SIZE but the model's and these): EVAL_ONLY warns if one is set
+NOT_SCORING = {"checkpoint_every", *(_o := list(SETTINGS))[_o.index("iterations"):_o.index("auto_size") + 1]} - set(
+    MODEL_SETTINGS) - {"grad_accum_steps", "compile_enabled", "cuda_graphs", "attn_backend", "kernels", "eval_seq_len",
+                       "eval_stride", "sliding_eval_enabled", "val_batch_size"}
 # Banks (PR #399): one 3-D parameter per matrix shape, so Muon orthogonalises a kind's matrices as one batch
 BANKS = {"qo_bank": ("attn.q", "attn.o"), "kv_bank": ("attn.k", "attn.v"),  # slot s, layer i: bank[s * L + i]
          "mlp_up_bank": ("mlp.up",), "mlp_down_bank": ("mlp.down",)}
@@ -916,9 +921,6 @@ class ParallelMuon(torch.optim.Optimizer):
             torch._foreach_div_(shards, float(self.world_size))
         return torch.stack(torch._foreach_norm(shards, 2, dtype=torch.float32)).square().sum()  # one launch
 
-    def scale_grads_(self, coef: Tensor) -> None:
-        torch._foreach_mul_([shard for _, shard, _ in self.pending], coef)
-
     @torch.no_grad()
     def step(self) -> None:
         group = self.param_groups[0]
@@ -1007,7 +1009,7 @@ class Optimizers:
         norm = sq.sqrt()
         if self.clip_norm > 0:
             coef = (self.clip_norm / (norm + 1e-6)).clamp(max=1.0)
-            self.muon.scale_grads_(coef)
+            torch._foreach_mul_([shard for _, shard, _ in self.muon.pending], coef)
             flat.mul_(coef)
         replicated.write_back()
         self.adam.step()
@@ -1689,8 +1691,7 @@ class GPT(nn.Module):
         q = self.ops.qk_norm_rope(q.view(B, T, H, hd), self.rope_cos, self.rope_sin, blk.q_gain)
         k = self.ops.qk_norm_rope(k.view(B, T, K, hd), self.rope_cos, self.rope_sin, None)
         y = attention(q, k, v, self.attn_backend, f.mask)
-        if i >= L - cfg.xsa_last_n:
-            y = self.ops.xsa(y, v)
+        y = self.ops.xsa(y, v) if i >= L - cfg.xsa_last_n else y
         if cfg.attn_gate_window:  # per head, from h's first channels
             z = F.linear(h[..., :cfg.attn_gate_window], blk.attn_gate_w.to(h.dtype))
             y = y * torch.sigmoid(cfg.sparse_attn_gate_scale * z)[..., None]
@@ -2488,10 +2489,6 @@ def bank_matrix(name: str) -> tuple[str, int] | None:
     return (parts[2], int(parts[1])) if len(parts) == 3 and parts[0] == "blocks" and parts[2] in MATRICES else None
 
 
-def head_name(cfg: Hyperparameters) -> str:
-    return "tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight"
-
-
 @dataclass(frozen=True)
 class Format:
     """How the artifact stores a weight of unbank(state), as tensors name.<part>; a new format: a new row of FORMATS."""
@@ -2533,7 +2530,8 @@ FORMATS = {f.kind: f for f in (
            lambda p: dequantize_runs(p["q8"], p["scale"]), lambda cfg, name: sd_clip_bits(
                cfg.embed_clip_sigmas, embed_qmax(cfg)) or PREDICT_SEARCH_BITS["q8"] - (8 - cfg.embed_bits),
            ("scale",), embed_qmax, lambda cfg, name: cfg.embed_clip_sigmas,
-           lambda cfg, name: ("head", 0) if name == head_name(cfg) else None),
+           lambda cfg, name: ("head", 0) if name == ("tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight")
+           else None),
     Format("f16", "fp16 tensors", lambda cfg, name, t: True, lambda cfg, name, w, h, coarsen: {"f16": w.half()},
            lambda p: p["f16"].float(), lambda cfg, name: 8 * PREDICT_SIDE_BYTES),
     Format("lqA", "LQER factors", None,  # not predicted: LQER_TOP_K x LQER_RANK x (rows + columns) small codes

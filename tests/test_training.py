@@ -634,6 +634,37 @@ def test_the_schedule_sets_the_span_by_progress_with_an_lr_ramp_after_each_chang
     assert not torch.equal(model(ids[:, :-1], ids[:, 1:]), full)
 
 
+def other_value(name: str):
+    """A valid value of setting `name` other than its default."""
+    f = tg.SETTINGS[name]
+    v, allowed = f.default, f.metadata["allowed"]
+    if isinstance(v, bool):
+        return int(not v)
+    if isinstance(allowed, tuple) and isinstance(allowed[0], str):
+        return next(a for a in allowed if a != v)
+    if isinstance(v, int):
+        return v + 1
+    return v / 2 + 0.05 if v < 1 else v * 2
+
+
+def test_eval_only_reads_no_training_or_export_setting(dataset, tokenizer_path, monkeypatch, tmp_path):
+    """EVAL_ONLY of a TRAIN_SEQ_SCHEDULE run's artifact with every NOT_SCORING setting changed (another schedule
+    among them) logs the same scores, TTT's too, and names each of those settings as ignored."""
+    from conftest import run_main
+    scored = dict(DOC_ISOLATION=1, TTT_ENABLED=1, TTT_LORA_RANK=4, TTT_CHUNK_SIZE=16, TTT_BATCH_SIZE=8)
+    log = run_main(monkeypatch, tmp_path, dataset, tokenizer_path, "spans", ITERATIONS=4,
+                   TRAIN_SEQ_SCHEDULE="8@0.5,32@1.0", **scored)
+    together = dict(TRAIN_SEQ_LEN=24, TRAIN_SEQ_SCHEDULE="12@0.5,24@1.0", LATE_QAT_THRESHOLD=0.5)  # valid together
+    changed = {n.upper(): other_value(n) for n in tg.NOT_SCORING if n.upper() not in together} | together
+    again = run_main(monkeypatch, tmp_path, dataset, tokenizer_path, "spans_eval",
+                     **{**scored, **changed, "EVAL_ONLY": tmp_path / "logs" / "spans.int6.ptz"})
+    keys = ("final_int6_roundtrip_exact ", "final_int6_sliding_window_exact ", "legal_ttt_exact ")
+    lines = [[ln for ln in text.splitlines() if ln.startswith(keys)] for text in (log, again)]
+    assert len(lines[0]) == 3 and lines[1] == lines[0]
+    warned = {n for n in changed if f"\nwarning setting {n} " in again}  # EMBED_LR's: TIE_EMBEDDINGS=1 ignores it
+    assert warned == set(changed), set(changed) - warned
+
+
 def test_a_checkpoint_keeps_the_span_and_its_ramp(dataset, tokenizer_path, tmp_path, monkeypatch):
     """A checkpoint taken after a span change resumes at that span, the ramp counted from the change's step."""
     monkeypatch.chdir(tmp_path)
