@@ -403,6 +403,17 @@ def test_placement_fills_every_gpu_and_moves_every_variant():
                 assert G == 1 or all(a != b for a, b in zip(mine, mine[1:])), (V, G, name, mine)
 
 
+def test_an_eval_only_run_is_given_no_artifact_path(monkeypatch):
+    """EVAL_ONLY (a variant's or the environment's) writes no artifact and warns about an ARTIFACT_PATH it is given."""
+    variants = {"made": {}, "scored": {"EVAL_ONLY": "logs/x.int6.ptz"}}
+    monkeypatch.delenv("EVAL_ONLY", raising=False)
+    runs = sw.plan_runs("p", variants, [1], dict.fromkeys(variants, Path("x.py")), 1, [])[0]
+    assert [r.settings.get("ARTIFACT_PATH") for r in runs] == ["logs/p_made_s1.int6.ptz", None]
+    monkeypatch.setenv("EVAL_ONLY", "logs/x.int6.ptz")
+    runs = sw.plan_runs("p", variants, [1], dict.fromkeys(variants, Path("x.py")), 1, [])[0]
+    assert [r.settings.get("ARTIFACT_PATH") for r in runs] == [None, None]
+
+
 def test_a_coder_the_python_lacks_is_refused_before_any_run(monkeypatch):
     tg = sw.load_script(ROOT / "train_gpt.py")
     monkeypatch.setattr(tg, "_zstd", lambda: None)

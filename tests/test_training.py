@@ -649,12 +649,14 @@ def other_value(name: str):
 
 def test_eval_only_reads_no_training_or_export_setting(dataset, tokenizer_path, monkeypatch, tmp_path):
     """EVAL_ONLY of a TRAIN_SEQ_SCHEDULE run's artifact with every NOT_SCORING setting changed (another schedule
-    among them) logs the same scores, TTT's too, and names each of those settings as ignored."""
+    among them, some invalid together) runs, logs the same scores, TTT's too, and names each one as ignored."""
     from conftest import run_main
     scored = dict(DOC_ISOLATION=1, TTT_ENABLED=1, TTT_LORA_RANK=4, TTT_CHUNK_SIZE=16, TTT_BATCH_SIZE=8)
     log = run_main(monkeypatch, tmp_path, dataset, tokenizer_path, "spans", ITERATIONS=4,
                    TRAIN_SEQ_SCHEDULE="8@0.5,32@1.0", **scored)
-    together = dict(TRAIN_SEQ_LEN=24, TRAIN_SEQ_SCHEDULE="12@0.5,24@1.0", LATE_QAT_THRESHOLD=0.5)  # valid together
+    # each valid alone, not together (LATE_QAT_THRESHOLD under MIN_LR, no such folder): they are not checked either
+    together = dict(TRAIN_SEQ_LEN=24, TRAIN_SEQ_SCHEDULE="12@0.5,24@1.0", LATE_QAT_THRESHOLD=0.05,
+                    ARTIFACT_PATH=tmp_path / "no_folder" / "x.ptz", CUDA_GRAPHS=0)
     changed = {n.upper(): other_value(n) for n in tg.NOT_SCORING if n.upper() not in together} | together
     again = run_main(monkeypatch, tmp_path, dataset, tokenizer_path, "spans_eval",
                      **{**scored, **changed, "EVAL_ONLY": tmp_path / "logs" / "spans.int6.ptz"})
