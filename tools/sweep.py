@@ -9,9 +9,9 @@ Settings are layered calling environment < preset < --base < --variant, each a s
 quoting allowed). Presets join by commas in any order: a settings preset (sp1024) goes under the run preset (pqb,
 pqb-t or timing; at most one), so `sp1024,pqb-t` and `pqb-t,sp1024` are one run. Every setting goes through
 train_gpt.py's own strict parsing before the first run starts, so a typo stops the sweep at once, naming the
-setting. The runner sets RUN_ID (<sweep>_<variant>_s<seed>), SEED and
-ARTIFACT_PATH (not with EVAL_ONLY) itself. SCRIPT=path in a variant runs that variant with another copy of train_gpt.py (a code
-change's before/after), its settings checked by that copy's parser. --export-only: the first variant trains and
+setting. The runner sets RUN_ID (<sweep>_<variant>_s<seed>), SEED and ARTIFACT_PATH (not with EVAL_ONLY)
+itself. SCRIPT=path in a variant runs that variant with another copy of train_gpt.py (a code change's
+before/after), its settings checked by that copy's parser. --export-only: the first variant trains and
 the others only export and score its final checkpoint again (RESUME), with their own export settings:
 quantisers and coders compared on the same weights, at a fraction of a run's cost. Each export run has the
 settings a training run of its variant would have (a key the first variant sets and an export variant leaves to
@@ -283,7 +283,7 @@ def plan_runs(sweep: str, variants: dict[str, dict[str, str]], seeds: list[int],
             slot = s % G if export_only else (s * V + v + (s if V % G == 0 else 0)) % G
             run_id = f"{sweep}_{name}_s{seed}"
             env = dict(settings, RUN_ID=run_id, SEED=str(seed))
-            if not (settings.get("EVAL_ONLY") or os.environ.get("EVAL_ONLY")):  # else it writes none (and warns)
+            if not settings.get("EVAL_ONLY", os.environ.get("EVAL_ONLY")):  # else it writes none (and warns)
                 env["ARTIFACT_PATH"] = f"logs/{run_id}.int6.ptz"
             if export_only:  # CHECKPOINT_EVERY > 0: the trained state is written at the end
                 env |= dict(CHECKPOINT_EVERY="1e9") if v == 0 else dict(
