@@ -3,8 +3,10 @@ a tiny-config environment, and helpers to run train_gpt.py (1..N processes, gloo
 N gloo processes. Everything is built in temporary folders: no test reads ../shared or the network."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import math
 import os
 import signal
@@ -293,20 +295,41 @@ def feature_model(name: str, seed: int = 0, backend: str = "math") -> tg.GPT:
     return model
 
 
-def run_main(monkeypatch, cwd, dataset, tokenizer_path, run_id: str, **overrides) -> str:
-    """train_gpt.main() in this process, in `cwd`, on tiny_env's settings (none of ours from the outer
-    environment); returns the run's log after its copy of the source. main() installs its own signal handlers:
-    the ones before come back."""
+def run_inline(monkeypatch, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    """run_script's one process in this one: entry() without its os._exit, and without the 2 s a new interpreter
+    spends importing torch and dynamo (which torch.optim's first step imports). `env` over the outer environment
+    less its settings and rank variables; `cwd` the working directory until the test ends; one thread (the
+    subprocess's OMP_NUM_THREADS=1). main() installs its own signal handlers: the ones before come back. For runs
+    whose logs and files a test reads; what a new process alone shows (exit codes, signals, another script, the
+    same seed in two processes) stays with run_script."""
+    cwd.mkdir(parents=True, exist_ok=True)
     monkeypatch.chdir(cwd)
     for k in list(os.environ):
-        if k.lower() in tg.SETTINGS:
+        if k.lower() in tg.SETTINGS or k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "DEBUG")):
             monkeypatch.delenv(k)
-    for k, v in tiny_env(dataset, tokenizer_path, RUN_ID=run_id, **{"ITERATIONS": 6, **overrides}).items():
-        monkeypatch.setenv(k, v)
-    handlers = {s: signal.getsignal(s) for s in tg.STOP_SIGNALS}
+    for k, v in env.items():
+        monkeypatch.setenv(k, str(v))
+    handlers, threads, out, err = {s: signal.getsignal(s) for s in tg.STOP_SIGNALS}, torch.get_num_threads(), \
+        io.StringIO(), io.StringIO()
+    torch.set_num_threads(1)
     try:
-        assert tg.main() == 0
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = tg.main()
+            except (ValueError, OSError, RuntimeError, FloatingPointError, KeyboardInterrupt) as e:  # as entry()
+                if os.environ.get("DEBUG") == "1":
+                    raise
+                rc = tg.report_error(e)
     finally:
+        torch.set_num_threads(threads)
         for s, h in handlers.items():
             signal.signal(s, h)
+    return subprocess.CompletedProcess([str(SCRIPT)], rc, out.getvalue(), err.getvalue())
+
+
+def run_main(monkeypatch, cwd, dataset, tokenizer_path, run_id: str, **overrides) -> str:
+    """run_inline on tiny_env's settings (ITERATIONS=6 unless named), which must succeed: the run's log after its
+    copy of the source."""
+    r = run_inline(monkeypatch, tiny_env(dataset, tokenizer_path, RUN_ID=run_id, **{"ITERATIONS": 6, **overrides}), cwd)
+    assert r.returncode == 0, r.stderr[-3000:]
     return (cwd / "logs" / f"{run_id}.txt").read_text(encoding="utf-8").split("==== end source ====\n", 1)[1]

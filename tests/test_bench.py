@@ -4,16 +4,16 @@ from __future__ import annotations
 import re
 import sys
 
-from conftest import ROOT, run_script, tiny_env
+from conftest import ROOT, run_inline, run_script, tiny_env
 
 
-def test_bench_curve_equals_the_scripts_own_train_losses(dataset, tokenizer_path, tmp_path):
+def test_bench_curve_equals_the_scripts_own_train_losses(dataset, tokenizer_path, tmp_path, monkeypatch):
     """bench_gpu.py --curve (the 1-vs-N-GPU loss comparison) must train exactly as train_gpt.py does:
     same seed, warmup restore, data order and schedule (2 steps at the peak lr, 2 in the warmdown, the Muon momentum
     warming up throughout), so its per-step losses equal the script's."""
     env = tiny_env(dataset, tokenizer_path, ITERATIONS="4", WARMDOWN_ITERS="3", LATE_QAT_THRESHOLD="0",
                    RUN_ID="curve_ref")
-    ref = run_script(env, tmp_path)
+    ref = run_inline(monkeypatch, env, tmp_path)
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = [float(x) for x in re.findall(r"^step:\d+/4 train_loss:([\d.]+)", ref.stdout, re.M)]
     out = run_script(env, tmp_path, script=ROOT / "tools/bench_gpu.py", args=("--curve", "4"))

@@ -14,7 +14,7 @@ import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 
-from conftest import make_scorer, perturbed_model, run_script, sample_text, tiny_cfg, tiny_env, write_shard
+from conftest import make_scorer, perturbed_model, run_inline, sample_text, tiny_cfg, tiny_env, write_shard
 import train_gpt as tg
 
 CPU = torch.device("cpu")
@@ -124,11 +124,11 @@ def test_the_val_set_must_be_the_manifests(dataset, tokenizer_path, tmp_path):
         val_scorer(data, tokenizer_path)
 
 
-def test_the_artifact_and_the_log_say_which_byte_rule_scored(dataset, tokenizer_path, tmp_path):
+def test_the_artifact_and_the_log_say_which_byte_rule_scored(dataset, tokenizer_path, tmp_path, monkeypatch):
     data = copy_dataset(dataset, tmp_path)
     tokens = np.fromfile(data / "fineweb_val_000000.bin", "<u2", offset=1024)
     write_shard(data / "fineweb_val_bytes_000000.bin", np.where(tokens == 1, 0, 2))
-    r = run_script(tiny_env(data, tokenizer_path, ITERATIONS="4", RUN_ID="side"), tmp_path)
+    r = run_inline(monkeypatch, tiny_env(data, tokenizer_path, ITERATIONS="4", RUN_ID="side"), tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "byte_rule:sidecar" in next(ln for ln in r.stdout.splitlines() if ln.startswith("val_tokens:"))
     header, _ = tg.read_artifact(tmp_path / "logs" / "side.int6.ptz")

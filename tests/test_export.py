@@ -18,7 +18,7 @@ import pytest
 import torch
 import zstandard
 
-from conftest import SCRIPT, make_cfg, perturbed_model, run_script, tiny_cfg, tiny_env
+from conftest import SCRIPT, make_cfg, perturbed_model, run_inline, run_script, tiny_cfg, tiny_env
 import train_gpt as tg
 
 CPU = torch.device("cpu")
@@ -356,11 +356,11 @@ def test_artifact_with_trailing_bytes_is_rejected(tmp_path):
 
 
 @pytest.mark.parametrize("method, how", [("fast", "flipped"), ("rans", "truncated")])
-def test_eval_only_corrupt_artifact_exits_nonzero(tmp_path, dataset, tokenizer_path, method, how):
+def test_eval_only_corrupt_artifact_exits_nonzero(tmp_path, dataset, tokenizer_path, method, how, monkeypatch):
     cfg = env_cfg(dataset, tokenizer_path)
     bad = tmp_path / "bad.ptz"
     bad.write_bytes(damaged(write_artifact(tmp_path / "good.ptz", cfg, method), how))
-    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(bad), RUN_ID="corrupt"), tmp_path)
+    r = run_inline(monkeypatch, tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(bad), RUN_ID="corrupt"), tmp_path)
     assert r.returncode != 0
     assert re.search(r"ValueError: artifact is corrupt or truncated", r.stderr), r.stderr[-2000:]
     assert "final_int6_roundtrip" not in r.stdout
@@ -368,12 +368,13 @@ def test_eval_only_corrupt_artifact_exits_nonzero(tmp_path, dataset, tokenizer_p
 
 @pytest.mark.parametrize("key, value", [("NUM_LAYERS", "3"), ("XSA_LAST_N", "0"), ("MLP_NEGATIVE_SLOPE", "0")])
 def test_eval_only_refuses_model_settings_that_differ_from_the_artifacts(tmp_path, dataset, tokenizer_path, key,
-                                                                           value):
+                                                                           value, monkeypatch):
     """Before artifacts stored their settings, XSA_LAST_N=0 scored the quickstart artifact 2.3397 instead of 1.8146
     (exit 0), MLP_NEGATIVE_SLOPE=0 1.8900: settings that keep the tensor shapes went unchecked."""
     good = tmp_path / "good.ptz"
     write_artifact(good, env_cfg(dataset, tokenizer_path), "fast")
-    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(good), RUN_ID="wrong", **{key: value}), tmp_path)
+    env = tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(good), RUN_ID="wrong", **{key: value})
+    r = run_inline(monkeypatch, env, tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error")]
     assert len(errors) == 1 and f"{key}=" in errors[0] and f"leave {key} unset" in errors[0], r.stderr[-2000:]
@@ -388,7 +389,7 @@ def test_tensors_of_another_model_are_refused():
         tg.dequantize_state(stored, template, 3)
 
 
-def test_over_limit_artifact_scores_then_fails(tmp_path, dataset, tokenizer_path):
+def test_over_limit_artifact_scores_then_fails(tmp_path, dataset, tokenizer_path, monkeypatch):
     """An honest artifact over 16,000,000 bytes: a model with 1,050,000 BigramHash buckets whose int8 table
     codes are random (incompressible). EVAL_ONLY scores it, then reports the limit and exits non-zero."""
     buckets = 1_050_000
@@ -405,8 +406,8 @@ def test_over_limit_artifact_scores_then_fails(tmp_path, dataset, tokenizer_path
     code_bytes = len(tg.shipped_code(SCRIPT.read_text(encoding="utf-8")))  # the code as a record ships it
     total = big.stat().st_size + code_bytes
     assert total > 16_000_000 == tg.SIZE_LIMIT_BYTES
-    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(big), BIGRAM_VOCAB_SIZE=str(buckets),
-                            RUN_ID="over"), tmp_path)
+    r = run_inline(monkeypatch, tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(big), BIGRAM_VOCAB_SIZE=str(buckets),
+                                         RUN_ID="over"), tmp_path)
     assert r.returncode != 0, r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
     assert f"Total submission size int6+zstd: {total} bytes limit:16000000 headroom:{16_000_000 - total}" in lines
@@ -421,12 +422,13 @@ def test_over_limit_artifact_scores_then_fails(tmp_path, dataset, tokenizer_path
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, dataset, tokenizer_path):
     cwd = tmp_path_factory.mktemp("train")
-    r = run_script(tiny_env(dataset, tokenizer_path, ITERATIONS="8", RUN_ID="train"), cwd)
+    with pytest.MonkeyPatch.context() as mp:
+        r = run_inline(mp, tiny_env(dataset, tokenizer_path, ITERATIONS="8", RUN_ID="train"), cwd)
     assert r.returncode == 0, r.stderr[-3000:]
     return cwd, r.stdout.splitlines()
 
 
-def test_eval_only_reproduces_training_run_scores(tmp_path, dataset, tokenizer_path, trained):
+def test_eval_only_reproduces_training_run_scores(tmp_path, dataset, tokenizer_path, trained, monkeypatch):
     cwd, train_lines = trained
     artifact = cwd / "logs" / "train.int6.ptz"  # the default ARTIFACT_PATH: logs/<RUN_ID>.int6.ptz
     assert artifact.is_file()
@@ -434,7 +436,7 @@ def test_eval_only_reproduces_training_run_scores(tmp_path, dataset, tokenizer_p
     env = {k: v for k, v in tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(artifact), RUN_ID="eval").items()
            if k.lower() not in tg.MODEL_SETTINGS}
     assert "NUM_LAYERS" not in env and "VOCAB_SIZE" not in env
-    r = run_script(env, tmp_path)
+    r = run_inline(monkeypatch, env, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     eval_lines = r.stdout.splitlines()
     assert not list((tmp_path / "logs").glob("*.ptz"))  # EVAL_ONLY writes no artifact

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (SCRIPT, TINY_VOCAB, bos2_tokenizer, run_script, run_script_interrupted, sample_text, tiny_env,
-                      write_shard)
+from conftest import (SCRIPT, TINY_VOCAB, bos2_tokenizer, run_inline, run_script, run_script_interrupted, sample_text,
+                      tiny_env, write_shard)
 
 import train_gpt as tg
 
@@ -64,7 +64,7 @@ def seed_runs(dataset, tokenizer_path, tmp_path_factory):
     return runs
 
 
-def test_same_seed_same_results(seed_runs, dataset, tokenizer_path, tmp_path):
+def test_same_seed_same_results(seed_runs, dataset, tokenizer_path, tmp_path, monkeypatch):
     """The same settings give the same losses and scores; another SEED another initial model."""
     a, b = seed_runs["same_a"], seed_runs["same_a_2"]
     la = [m.group(0).split(" train_time")[0] for m in LOSS_LINE.finditer(a)]
@@ -72,7 +72,7 @@ def test_same_seed_same_results(seed_runs, dataset, tokenizer_path, tmp_path):
     assert len(la) == 20 and la == lb
     key = "final_int6_sliding_window_exact "
     assert one_line(a, key) == one_line(b, key)
-    r = run_script(tiny_env(dataset, tokenizer_path, RUN_ID="seed2", SEED="2", ITERATIONS="2"), tmp_path)
+    r = run_inline(monkeypatch, tiny_env(dataset, tokenizer_path, RUN_ID="seed2", SEED="2", ITERATIONS="2"), tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     first_other = parse_losses((tmp_path / "logs" / "seed2.txt").read_text())[1]
     assert abs(first_other - parse_losses(a)[1]) > 1e-3  # the seed sets the init
@@ -114,7 +114,7 @@ def test_two_process_run_matches_one_process_and_logs_everything(seed_runs, data
         assert v2 == pytest.approx(v1, rel=1e-4), key
 
 
-def test_issue_21_features_train_alike_on_one_and_three_ranks(dataset, tokenizer_path, tmp_path):
+def test_issue_21_features_train_alike_on_one_and_three_ranks(dataset, tokenizer_path, tmp_path, monkeypatch):
     """Every issue-21 feature on (layers 1-2 twice from step 3, two lanes from layer 3, gated skips, the sparse
     attention gate, XSA everywhere, the BOS smear fix): 3 gloo ranks (slots that 2 would split evenly do not)
     train and score as 1 does, up to reduction order; the repeats start at the same step everywhere."""
@@ -123,7 +123,8 @@ def test_issue_21_features_train_alike_on_one_and_three_ranks(dataset, tokenizer
                SMEAR_BOS_FIX=1, ITERATIONS=6, TRAIN_BATCH_TOKENS=1536)  # 48 sequences: 8 slots of 6, 6 of 8
     logs = {}
     for n in (1, 3):
-        r = run_script(tiny_env(dataset, tokenizer_path, RUN_ID=f"lp{n}", **env), tmp_path, nproc=n)
+        run_env = tiny_env(dataset, tokenizer_path, RUN_ID=f"lp{n}", **env)
+        r = run_script(run_env, tmp_path, nproc=n) if n > 1 else run_inline(monkeypatch, run_env, tmp_path)
         assert r.returncode == 0, r.stderr[-3000:]
         logs[n] = (tmp_path / "logs" / f"lp{n}.txt").read_text()
         assert "layer_loop:enabled step:3 progress:0.500 layers:[0, 1, 2, 1, 2, 3]" in logs[n]
@@ -139,10 +140,11 @@ def test_issue_21_features_train_alike_on_one_and_three_ranks(dataset, tokenizer
             float(one_line(logs[1], key).split("val_bpb:")[1]), rel=1e-4)
 
 
-def test_a_run_that_stops_before_enable_looping_at_still_scores_the_repeats(dataset, tokenizer_path, tmp_path):
+def test_a_run_that_stops_before_enable_looping_at_still_scores_the_repeats(dataset, tokenizer_path, tmp_path,
+                                                                          monkeypatch):
     env = tiny_env(dataset, tokenizer_path, RUN_ID="early", NUM_LOOPS=1, LOOP_START=0, LOOP_END=1,
                    ENABLE_LOOPING_AT=0.9, ITERATIONS=4, LAWA_K="5")
-    r = run_script(env, tmp_path)
+    r = run_inline(monkeypatch, env, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     log = (tmp_path / "logs" / "early.txt").read_text()
     assert "warning setting LAWA_K is not supported" in log  # dropped reference variables: logged, run goes on
@@ -151,9 +153,9 @@ def test_a_run_that_stops_before_enable_looping_at_still_scores_the_repeats(data
     assert after and after.start() < re.search(r"^post_ema ", log, re.M).start()
 
 
-def test_nan_loss_stops_the_run_naming_the_step(dataset, tokenizer_path, tmp_path):
+def test_nan_loss_stops_the_run_naming_the_step(dataset, tokenizer_path, tmp_path, monkeypatch):
     env = tiny_env(dataset, tokenizer_path, MATRIX_LR="1e30", TIED_EMBED_LR="1e30", SCALAR_LR="1e30", RUN_ID="nan")
-    r = run_script(env, tmp_path)
+    r = run_inline(monkeypatch, env, tmp_path)
     assert r.returncode != 0
     m = re.search(r"non-finite training loss at step (\d+)", r.stderr)
     assert m, r.stderr[-2000:]
@@ -317,17 +319,17 @@ def test_a_reused_run_id_gets_its_own_log_and_sample_data_is_flagged(seed_runs):
         assert log.strip().splitlines()[-1].endswith(" sample_data:not_comparable_to_FineWeb") == sample
 
 
-def test_a_finished_runs_checkpoint_exports_again_without_training(dataset, tokenizer_path, tmp_path):
+def test_a_finished_runs_checkpoint_exports_again_without_training(dataset, tokenizer_path, tmp_path, monkeypatch):
     """CHECKPOINT_EVERY > 0 leaves the trained state at the end. RESUME=it with other export settings (GPTQ, SD
     clip) trains no step, scores the same post-EMA weights and writes a new artifact: quantisers compared on the
     same weights with no retraining. EVAL_ONLY reproduces the new artifact's scores."""
     env = tiny_env(dataset, tokenizer_path, ITERATIONS="6", RUN_ID="q", CHECKPOINT_EVERY="1000")
-    r = run_script(env, tmp_path)
+    r = run_inline(monkeypatch, env, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     first = (tmp_path / "logs" / "q.txt").read_text()
     assert re.search(r"^checkpoint step:6 path:logs/q.ckpt bytes:\d+ time:\d+ms$", first, re.M)
     gptq = dict(GPTQ_CALIBRATION_BATCHES="2", MATRIX_CLIP_SIGMAS="12.85", COMPRESSOR="rans")
-    r = run_script(dict(env, RESUME="logs/q.ckpt", **gptq), tmp_path)
+    r = run_inline(monkeypatch, dict(env, RESUME="logs/q.ckpt", **gptq), tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     again = (tmp_path / "logs" / "q_2.txt").read_text()
     assert not LOSS_LINE.search(again) and "\nwarmup_step:" not in again
@@ -341,23 +343,26 @@ def test_a_finished_runs_checkpoint_exports_again_without_training(dataset, toke
     assert live.group(0) == re.search(r"^step:6/6 val_loss:\S+ val_bpb:\S+ ", first, re.M).group(0)
     assert one_line(again, "post_ema_exact ") == one_line(first, "post_ema_exact ")
     assert one_line(again, "final_int6_roundtrip_exact ") != one_line(first, "final_int6_roundtrip_exact ")
-    r = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY="logs/q_2.int6.ptz", RUN_ID="q_eval"), tmp_path)
+    r = run_inline(monkeypatch, tiny_env(dataset, tokenizer_path, EVAL_ONLY="logs/q_2.int6.ptz", RUN_ID="q_eval"),
+                   tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     evaluated = (tmp_path / "logs" / "q_eval.txt").read_text()
     key = "final_int6_sliding_window_exact "
     assert one_line(evaluated, key) == one_line(again, key)
 
 
-def test_doc_isolation_trains_exports_and_scores_again_from_its_artifact(dataset, tokenizer_path, tmp_path):
+def test_doc_isolation_trains_exports_and_scores_again_from_its_artifact(dataset, tokenizer_path, tmp_path,
+                                                                        monkeypatch):
     """DOC_ISOLATION=1 end to end on the CPU (its one backend so far): training, export, and EVAL_ONLY, which
     takes the setting from the artifact (left unset there) and scores exactly as the training run did."""
-    r = run_script(tiny_env(dataset, tokenizer_path, DOC_ISOLATION=1, ITERATIONS=4, RUN_ID="iso"), tmp_path)
+    r = run_inline(monkeypatch, tiny_env(dataset, tokenizer_path, DOC_ISOLATION=1, ITERATIONS=4, RUN_ID="iso"),
+                   tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     trained = (tmp_path / "logs" / "iso.txt").read_text()
     assert "setting doc_isolation:True" in trained
     env = tiny_env(dataset, tokenizer_path, EVAL_ONLY="logs/iso.int6.ptz", RUN_ID="iso_eval")
     del env["DOC_ISOLATION"]
-    r = run_script(env, tmp_path)
+    r = run_inline(monkeypatch, env, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     evaluated = (tmp_path / "logs" / "iso_eval.txt").read_text()
     assert "setting doc_isolation:True" in evaluated

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import perturbed_model, run_script, tiny_cfg, tiny_env
+from conftest import perturbed_model, run_inline, tiny_cfg, tiny_env
 import train_gpt as tg
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -142,14 +142,14 @@ def test_embed_sd_clip_is_the_records_row_rule():
     assert not torch.equal(search["tok_emb.weight.scale"], packed["tok_emb.weight.scale"])
 
 
-def test_the_defaults_run_at_a_tiny_shape(dataset, tokenizer_path, tmp_path):
+def test_the_defaults_run_at_a_tiny_shape(dataset, tokenizer_path, tmp_path, monkeypatch):
     """The record stack (recurrence, lanes, XSA, gates, document isolation, GPTQ, LQER, int7 table, lora TTT) with
     only the shape, data and length named: no loop, lane or value-embedding setting, no warning."""
     env = dict(DATA_PATH=str(dataset), TOKENIZER_PATH=str(tokenizer_path), VOCAB_SIZE="512", NUM_LAYERS="2",
                MODEL_DIM="160", NUM_HEADS="2", NUM_KV_HEADS="1", TRAIN_SEQ_LEN="64", TRAIN_BATCH_TOKENS="1024",
                ITERATIONS="6", WARMUP_STEPS="2", MAX_WALLCLOCK_SECONDS="0", EVAL_SEQ_LEN="64",
                VAL_BATCH_SIZE="4096", DEVICE="cpu", RUN_ID="d")
-    r = run_script(env, tmp_path)
+    r = run_inline(monkeypatch, env, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     log = (tmp_path / "logs" / "d.txt").read_text()
     assert not re.search(r"^warning", log, re.M), log[:3000]

@@ -544,18 +544,18 @@ def test_refuses_a_finished_run_that_logged_an_error(tmp_path, capsys):
     assert f"{late}: the run failed: `error RuntimeError: CUDA error" in capsys.readouterr().err
 
 
-def test_packages_a_real_tiny_cpu_run(tmp_path, capsys, dataset, tokenizer_path):
+def test_packages_a_real_tiny_cpu_run(tmp_path, capsys, dataset, tokenizer_path, monkeypatch):
     """The tool against logs that train_gpt.py really wrote: two seeds of a tiny CPU run (artifact paths differ,
     logs/real<seed>.int6.ptz), scored on the 40 documents of the tiny val set, and a run that failed at the start."""
-    from conftest import run_script, tiny_env
+    from conftest import run_inline, tiny_env
     logs = []
     for seed in (1, 2):
-        res = run_script(tiny_env(dataset, tokenizer_path, SEED=seed, RUN_ID=f"real{seed}", ITERATIONS=4,
-                                  EVAL_STRIDE=32), tmp_path)
+        env = tiny_env(dataset, tokenizer_path, SEED=seed, RUN_ID=f"real{seed}", ITERATIONS=4, EVAL_STRIDE=32)
+        res = run_inline(monkeypatch, env, tmp_path)
         assert res.returncode == 0, res.stderr[-2000:]
         logs.append(tmp_path / "logs" / f"real{seed}.txt")
     # a missing DATA_PATH fails after the log is written (tests/test_main.py checks its `error` line)
-    res = run_script(tiny_env(tmp_path / "missing", tokenizer_path, SEED=3, RUN_ID="bad"), tmp_path)
+    res = run_inline(monkeypatch, tiny_env(tmp_path / "missing", tokenizer_path, SEED=3, RUN_ID="bad"), tmp_path)
     assert res.returncode == 1 and (tmp_path / "logs" / "bad.txt").is_file()
     all_logs = sorted((tmp_path / "logs").glob("*.txt"))  # as `logs/*.txt` would give them
     assert run_cli(tmp_path, all_logs) == 1

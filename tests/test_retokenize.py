@@ -198,10 +198,10 @@ def syllable_text(n_docs: int, seed: int) -> list[str]:
     return docs
 
 
-def test_a_larger_vocabulary_trains_exports_and_scores_the_same_bytes(tmp_path):
+def test_a_larger_vocabulary_trains_exports_and_scores_the_same_bytes(tmp_path, monkeypatch):
     """Issue 22: the same text as sp-512 shards and, retokenized, as sp-2048 shards: train_gpt.py trains,
     exports, reads back and scores both, over the same val_bpb byte count."""
-    from conftest import run_script, tiny_env
+    from conftest import run_inline, tiny_env
     corpus = syllable_text(600, seed=21)
     small, large = tmp_path / "tok512.model", tmp_path / "tok2048.model"
     make_shards.train_tokenizer(corpus, 512, small)
@@ -215,7 +215,7 @@ def test_a_larger_vocabulary_trains_exports_and_scores_the_same_bytes(tmp_path):
     scored = {}
     for vocab, data, tok in ((512, src, small), (2048, tmp_path / "sp2048", large)):
         env = tiny_env(data, tok, VOCAB_SIZE=vocab, RUN_ID=f"v{vocab}", ITERATIONS=6)
-        r = run_script(env, tmp_path)
+        r = run_inline(monkeypatch, env, tmp_path)
         assert r.returncode == 0, r.stderr[-3000:]
         log = (tmp_path / "logs" / f"v{vocab}.txt").read_text()
         line = next(x for x in log.splitlines() if x.startswith("final_int6_sliding_window "))

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SCRIPT, TINY_VOCAB, make_cfg, run_script, run_script_interrupted, sample_text, tiny_env
+from conftest import (SCRIPT, TINY_VOCAB, make_cfg, run_inline, run_script, run_script_interrupted, sample_text,
+                      tiny_env)
 from test_training import make_trainer
 
 import train_gpt as tg
@@ -33,7 +34,8 @@ def exact(log: str, key: str) -> str:
 def baseline(dataset, tokenizer_path, tmp_path_factory):
     """An uninterrupted tiny run (6 steps): its folder; it leaves no checkpoint (CHECKPOINT_EVERY=0)."""
     cwd = tmp_path_factory.mktemp("baseline")
-    r = run_script(tiny_env(dataset, tokenizer_path, ITERATIONS=6, RUN_ID="base"), cwd)
+    with pytest.MonkeyPatch.context() as mp:
+        r = run_inline(mp, tiny_env(dataset, tokenizer_path, ITERATIONS=6, RUN_ID="base"), cwd)
     assert r.returncode == 0, r.stderr[-3000:]
     return cwd
 
@@ -65,7 +67,7 @@ def test_a_finished_run_leaves_no_checkpoint_and_records_the_tokenizer(baseline,
 
 
 def test_sigterm_while_scoring_before_export_leaves_the_trained_state_and_says_how_to_finish(
-        baseline, dataset, tokenizer_path, tmp_path):
+        baseline, dataset, tokenizer_path, tmp_path, monkeypatch):
     """It used to exit 143 with no checkpoint, no artifact and no log line. Now the trained state is on disk when
     training ends; RESUME=it exports and scores, with the uninterrupted run's scores."""
     env = tiny_env(dataset, tokenizer_path, ITERATIONS=6, RUN_ID="base")
@@ -77,7 +79,7 @@ def test_sigterm_while_scoring_before_export_leaves_the_trained_state_and_says_h
     assert not (tmp_path / "logs" / "base.int6.ptz").exists()
     sha = hashlib.sha256(tokenizer_path.read_bytes()).hexdigest()
     assert tg.read_checkpoint(str(tmp_path / "logs" / "base.ckpt"))["tokenizer_sha256"] == sha
-    r = run_script(dict(env, RESUME="logs/base.ckpt"), tmp_path)
+    r = run_inline(monkeypatch, dict(env, RESUME="logs/base.ckpt"), tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     resumed, base = log_of(tmp_path, "base_2"), log_of(baseline, "base")
     assert "\nwarmup_step:" not in resumed
@@ -261,9 +263,9 @@ def test_an_interrupted_resume_of_a_finished_checkpoint_says_to_resume_it_again(
 # 4. The tokenizer is the data's
 # =============================================================================================
 
-def test_a_tokenizer_that_is_not_the_datas_is_refused(dataset, tokenizer_path, other_tokenizer, tmp_path):
+def test_a_tokenizer_that_is_not_the_datas_is_refused(dataset, tokenizer_path, other_tokenizer, tmp_path, monkeypatch):
     """Another 512-token tokenizer used to train and score (a wrong val_bpb, exit 0)."""
-    r = run_script(tiny_env(dataset, other_tokenizer, RUN_ID="wrong"), tmp_path)
+    r = run_inline(monkeypatch, tiny_env(dataset, other_tokenizer, RUN_ID="wrong"), tmp_path)
     assert r.returncode == 1 and "step:" not in r.stdout, r.stdout[-2000:]
     assert re.search(r"TOKENIZER_PATH re-encodes only \d+ of the first 39 documents of .*fineweb_val_000000.bin into "
                      r"their ids: it is not the tokenizer these shards were made with", r.stderr), r.stderr[-2000:]
@@ -295,10 +297,10 @@ def test_a_train_shard_of_another_tokenizer_stops_every_rank_with_one_line(datas
 
 
 def test_eval_only_and_resume_with_another_tokenizer_stop_naming_both(baseline, dataset, tokenizer_path,
-                                                                      other_tokenizer, tmp_path):
+                                                                      other_tokenizer, tmp_path, monkeypatch):
     ours, other = (hashlib.sha256(p.read_bytes()).hexdigest() for p in (tokenizer_path, other_tokenizer))
     artifact = baseline / "logs" / "base.int6.ptz"
-    r = run_script(tiny_env(dataset, other_tokenizer, EVAL_ONLY=artifact, RUN_ID="e"), tmp_path)
+    r = run_inline(monkeypatch, tiny_env(dataset, other_tokenizer, EVAL_ONLY=artifact, RUN_ID="e"), tmp_path)
     assert r.returncode == 1
     assert (f"TOKENIZER_PATH {other_tokenizer} (sha256 {other}) is not the tokenizer artifact {artifact} was made "
             f"with (sha256 {ours})") in r.stderr, r.stderr[-2000:]
@@ -308,7 +310,7 @@ def test_eval_only_and_resume_with_another_tokenizer_stop_naming_both(baseline, 
     tr.ckpt_path, tr.tokenizer = tmp_path / "logs" / "ck.ckpt", ours
     tr.save_checkpoint(None, dict(tr.clock, done=True))
     env = tiny_env(dataset, other_tokenizer, RUN_ID="ck", RESUME="logs/ck.ckpt")
-    r = run_script(env, tmp_path)
+    r = run_inline(monkeypatch, env, tmp_path)
     assert r.returncode == 1 and f"is not the tokenizer checkpoint logs/ck.ckpt was made with (sha256 {ours})" \
         in r.stderr, r.stderr[-2000:]
 
@@ -323,7 +325,7 @@ def test_an_artifact_path_that_exists_or_names_a_log_is_refused_at_the_start(dat
     (tmp_path / "logs").mkdir()
     for name in ("old.txt", "other.int6.ptz"):
         (tmp_path / "logs" / name).write_text("keep me")
-    r = run_script(tiny_env(dataset, tokenizer_path, ARTIFACT_PATH="logs/old.txt", RUN_ID="new"), tmp_path)
+    r = run_inline(monkeypatch, tiny_env(dataset, tokenizer_path, ARTIFACT_PATH="logs/old.txt", RUN_ID="new"), tmp_path)
     assert r.returncode == 1 and "step:" not in r.stdout
     assert "error: FileExistsError: ARTIFACT_PATH logs/old.txt exists: a run never overwrites a file" in r.stderr
     monkeypatch.chdir(tmp_path)
@@ -417,7 +419,8 @@ def test_settings_that_would_do_nothing_are_reported():
         "setting MUON_MOMENTUM_WARMUP_START is ignored: MUON_MOMENTUM_WARMUP_STEPS=0 turns its feature off"]
 
 
-def test_a_resumed_run_reports_against_the_checkpoints_settings(baseline, dataset, tokenizer_path, tmp_path):
+def test_a_resumed_run_reports_against_the_checkpoints_settings(baseline, dataset, tokenizer_path, tmp_path,
+                                                                 monkeypatch):
     """The reports come after the checkpoint's (or artifact's) settings are adopted: a checkpoint made with TTT on
     does not make TTT_LORA_RANK 'ignored' in the resumed run."""
     (tmp_path / "logs").mkdir()
@@ -426,7 +429,7 @@ def test_a_resumed_run_reports_against_the_checkpoints_settings(baseline, datase
     tr.save_checkpoint(None, dict(tr.clock, step=2, done=True))
     env = tiny_env(dataset, tokenizer_path, RUN_ID="t", RESUME="logs/t.ckpt", TTT_LORA_RANK=4, ENABLE_LOOPING_AT=0.5)
     del env["TTT_ENABLED"]  # the checkpoint's
-    r = run_script(env, tmp_path)
+    r = run_inline(monkeypatch, env, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     log = log_of(tmp_path, "t_2")
     assert "setting ttt_enabled:True" in log and "TTT_LORA_RANK is ignored" not in log
@@ -481,7 +484,7 @@ def test_out_of_memory_names_the_setting_to_change(where, setting, monkeypatch, 
         monkeypatch.setitem(tg.TTT_MODES, "lora", tg.TTTMode(oom, True))
     with pytest.raises(torch.cuda.OutOfMemoryError) as e:
         run_main(monkeypatch, tmp_path, dataset, tokenizer_path, "oom", TTT_ENABLED=1, GRAD_ACCUM_STEPS=1,
-                 COMPILE_ENABLED=1 if name == "warm" else 0)
+                 COMPILE_ENABLED=1 if name == "warm" else 0, DEBUG=1)  # DEBUG=1: the error itself, not its line
     assert any(n.startswith(setting) for n in getattr(e.value, "__notes__", [])), e.value.__notes__
 
 
@@ -506,20 +509,22 @@ def test_the_memory_a_process_may_use_is_logged_and_in_the_out_of_memory_note(mo
 # 7. RESUME and EVAL_ONLY take the stored settings first (session 37's review)
 # =============================================================================================
 
-def test_a_model_setting_equal_to_the_stored_one_is_checked_with_the_stored_others(dataset, tokenizer_path, tmp_path):
+def test_a_model_setting_equal_to_the_stored_one_is_checked_with_the_stored_others(dataset, tokenizer_path, tmp_path,
+                                                                                   monkeypatch):
     """NUM_HEADS=3, an artifact's and checkpoint's own value, set again: it was validated against the defaults' other
     model settings first ("MODEL_DIM=512 must divide by NUM_HEADS=3"), which this run never uses. The checkpoint
     holds its script's sha256: resumed by an edited train_gpt.py, the log warns (the packager refuses such a log:
     the record would ship code that did not train all of its model); by the same one, not."""
     env = tiny_env(dataset, tokenizer_path, ITERATIONS=2, MODEL_DIM=48, NUM_HEADS=3, NUM_KV_HEADS=1,
                    CHECKPOINT_EVERY=1000, TTT_ENABLED=0, RUN_ID="h3")
-    assert run_script(env, tmp_path).returncode == 0
+    assert run_inline(monkeypatch, env, tmp_path).returncode == 0
     user = {k: v for k, v in env.items() if k.lower() not in tg.MODEL_SETTINGS or k == "NUM_HEADS"}
     edited = tmp_path / "edited.py"
     edited.write_text(SCRIPT.read_text() + "# edited\n")
     for extra, script in ((dict(EVAL_ONLY="logs/h3.int6.ptz"), SCRIPT), (dict(RESUME="logs/h3.ckpt"), SCRIPT),
                           (dict(RESUME="logs/h3.ckpt"), edited)):
-        r = run_script(dict(user, RUN_ID="again", **extra), tmp_path, script=script)
+        again = dict(user, RUN_ID="again", **extra)  # the edited script: a process of its own
+        r = run_script(again, tmp_path, script=script) if script == edited else run_inline(monkeypatch, again, tmp_path)
         assert r.returncode == 0, r.stderr[-2000:]
         warned = "warning checkpoint logs/h3.ckpt was written by another train_gpt.py" in r.stdout
         assert warned == (script == edited), r.stdout[-2000:]
@@ -550,7 +555,7 @@ def test_eval_only_does_not_need_a_training_batch_that_divides(baseline, dataset
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_a_val_set_without_a_target_to_score_stops_before_training(dataset, tokenizer_path, tmp_path):
+def test_a_val_set_without_a_target_to_score_stops_before_training(dataset, tokenizer_path, tmp_path, monkeypatch):
     """One BOS token, or BOS alone: no bytes, so val_bpb would divide by 0 (a traceback after the whole training)."""
     from conftest import write_shard
     data = tmp_path / "data"
@@ -558,7 +563,7 @@ def test_a_val_set_without_a_target_to_score_stops_before_training(dataset, toke
     for f in dataset.glob("fineweb_train_*.bin"):
         (data / f.name).write_bytes(f.read_bytes())
     write_shard(data / "fineweb_val_000000.bin", [1])
-    r = run_script(tiny_env(data, tokenizer_path, RUN_ID="v"), tmp_path)
+    r = run_inline(monkeypatch, tiny_env(data, tokenizer_path, RUN_ID="v"), tmp_path)
     assert r.returncode == 1 and "step:" not in r.stdout, r.stdout[-2000:]
     assert "hold no target but BOS: no bytes to score" in r.stderr, r.stderr[-2000:]
 

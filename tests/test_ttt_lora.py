@@ -264,15 +264,15 @@ def test_without_isolation_lora_scores_per_document():
 
 
 @pytest.mark.parametrize("iso", [0, 1])
-def test_script_runs_lora_ttt_and_eval_only_reproduces_it(dataset, tokenizer_path, tmp_path, iso):
+def test_script_runs_lora_ttt_and_eval_only_reproduces_it(dataset, tokenizer_path, tmp_path, iso, monkeypatch):
     """End to end: a tiny run with TTT_MODE=lora (the default mode) logs legal_ttt over the same targets and
     bytes as the sliding-window score, with progress lines; EVAL_ONLY of its artifact gives the same line (without
     DOC_ISOLATION also with the sliding pass off). Without DOC_ISOLATION the per-document sliding score, lora's
     baseline, is logged too."""
-    from conftest import run_script, tiny_env
+    from conftest import run_inline, tiny_env
     import re
     ttt = dict(DOC_ISOLATION=iso, TTT_ENABLED=1, TTT_LORA_RANK=4, TTT_CHUNK_SIZE=16, TTT_BATCH_SIZE=8)
-    r = run_script(tiny_env(dataset, tokenizer_path, ITERATIONS=4, RUN_ID="lora", **ttt), tmp_path)
+    r = run_inline(monkeypatch, tiny_env(dataset, tokenizer_path, ITERATIONS=4, RUN_ID="lora", **ttt), tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
     exact = [ln for ln in lines if ln.startswith("legal_ttt_exact ")]
@@ -290,8 +290,8 @@ def test_script_runs_lora_ttt_and_eval_only_reproduces_it(dataset, tokenizer_pat
     # without isolation SLIDING_EVAL_ENABLED=0 (the record runs' time saver): the training run, which had the sliding
     # pass, and this one give the same TTT score, so the pass leaves the model as it found it
     fast = {} if iso else dict(SLIDING_EVAL_ENABLED=0)
-    r2 = run_script(tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(tmp_path / "logs" / "lora.int6.ptz"),
-                             RUN_ID="lora_eval", **fast, **ttt), tmp_path)
+    r2 = run_inline(monkeypatch, tiny_env(dataset, tokenizer_path, EVAL_ONLY=str(tmp_path / "logs" / "lora.int6.ptz"),
+                                          RUN_ID="lora_eval", **fast, **ttt), tmp_path)
     assert r2.returncode == 0, r2.stderr[-3000:]
     lines2 = r2.stdout.splitlines()
     assert [ln for ln in lines2 if ln.startswith("legal_ttt_exact ")] == exact
