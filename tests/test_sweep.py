@@ -38,6 +38,24 @@ def run_sweep(args: list[str], cwd: Path, gpus: str = "", timeout: int = 600, **
                           timeout=timeout)
 
 
+def dry_run(monkeypatch, capsys, args: list[str], cwd: Path, gpus: str = "", **env_extra):
+    """run_sweep(["--dry-run", *args], ...) in this process, with run_sweep's environment: a dry run starts no run,
+    and a new interpreter would spend a second importing torch."""
+    monkeypatch.chdir(cwd)
+    for k in [k for k in os.environ if k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "OMP_NUM_THREADS",
+                                                     "TRITON_INTERPRET"))]:
+        monkeypatch.delenv(k)
+    for k, v in dict(CUDA_VISIBLE_DEVICES=gpus, **env_extra).items():
+        monkeypatch.setenv(k, v)
+    capsys.readouterr()
+    try:
+        rc = sw.main(["--dry-run", *args])
+    except SystemExit as e:  # argparse's refusals
+        rc = e.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess([str(SWEEP)], rc, out, err)
+
+
 @pytest.fixture(scope="module")
 def tiny_sweep(tmp_path_factory, dataset, tokenizer_path):
     """2 variants x 2 seeds on the CPU, and a third variant whose runs crash at start-up."""
@@ -119,13 +137,13 @@ def test_a_crashing_run_is_reported_and_the_others_finish(tiny_sweep):
                                         ("SEED=3", "SEED is set by the runner")])
 def test_a_bad_setting_in_any_variant_stops_the_sweep_before_any_run(tmp_path, dataset, tokenizer_path, bad, named):
     r = run_sweep(["--base", tiny_base(dataset, tokenizer_path), "--variant", "a=", "--variant", f"b={bad}"],
-                  tmp_path, timeout=120)
+                  tmp_path)
     assert r.returncode == 2 and named in r.stderr, r.stderr
     assert not (tmp_path / "logs").exists()  # nothing ran
 
 
 def test_a_preset_refuses_data_without_its_train_shards(tmp_path, dataset, tokenizer_path):
-    r = run_sweep(["--preset", "pqb", "--base", f"DATA_PATH={dataset}"], tmp_path, timeout=120)
+    r = run_sweep(["--preset", "pqb", "--base", f"DATA_PATH={dataset}"], tmp_path)
     assert r.returncode == 2 and "needs 8 train shards" in r.stderr and "found 2" in r.stderr, r.stderr
 
 
@@ -133,10 +151,10 @@ def _placements(stdout: str) -> dict[tuple[str, int], str]:
     return {(m[1], int(m[2])): m[3] for m in re.finditer(r"^# (\S+) seed (\d+): (.*)$", stdout, flags=re.M)}
 
 
-def test_dry_run_places_runs_on_both_gpus_swapped_across_seeds(tmp_path):
-    r = run_sweep(["--dry-run", "--preset", "pqb-t", "--variant", "base=", "--variant",
-                   "parity=BIGRAM_VOCAB_SIZE=2048 ROPE_BASE=22082 LATE_QAT_THRESHOLD=0 EMA_DECAY=0.997"],
-                  tmp_path, gpus="0,1", timeout=120)
+def test_dry_run_places_runs_on_both_gpus_swapped_across_seeds(tmp_path, monkeypatch, capsys):
+    parity = "parity=BIGRAM_VOCAB_SIZE=2048 ROPE_BASE=22082 LATE_QAT_THRESHOLD=0 EMA_DECAY=0.997"
+    r = dry_run(monkeypatch, capsys, ["--preset", "pqb-t", "--variant", "base=", "--variant", parity], tmp_path,
+                gpus="0,1")
     assert r.returncode == 0, r.stderr
     assert _placements(r.stdout) == {("base", 1337): "gpu 0", ("parity", 1337): "gpu 1",
                                      ("base", 42): "gpu 1", ("parity", 42): "gpu 0"}
@@ -148,20 +166,20 @@ def test_dry_run_places_runs_on_both_gpus_swapped_across_seeds(tmp_path):
     assert not (tmp_path / "logs").exists()
 
 
-def test_dry_run_with_several_gpus_per_run_uses_torchrun(tmp_path):
-    r = run_sweep(["--dry-run", "--gpus-per-run", "2", "--variant", "a=", "--variant", "b=MATRIX_LR=0.03",
-                   "--seeds", "1,2"], tmp_path, gpus="4,5,6,7", timeout=120, OMP_NUM_THREADS="3")
+def test_dry_run_with_several_gpus_per_run_uses_torchrun(tmp_path, monkeypatch, capsys):
+    r = dry_run(monkeypatch, capsys, ["--gpus-per-run", "2", "--variant", "a=", "--variant", "b=MATRIX_LR=0.03",
+                                      "--seeds", "1,2"], tmp_path, gpus="4,5,6,7", OMP_NUM_THREADS="3")
     assert r.returncode == 0, r.stderr
     assert "OMP_NUM_THREADS" not in r.stdout  # the caller's setting stands
     assert _placements(r.stdout) == {("a", 1): "gpu 4,5", ("b", 1): "gpu 6,7", ("a", 2): "gpu 6,7",
                                      ("b", 2): "gpu 4,5"}
     assert r.stdout.count("torch.distributed.run --standalone --nproc_per_node=2") == 4
-    r = run_sweep(["--dry-run", "--gpus-per-run", "3"], tmp_path, gpus="0,1", timeout=120)
+    r = dry_run(monkeypatch, capsys, ["--gpus-per-run", "3"], tmp_path, gpus="0,1")
     assert r.returncode == 2 and "only 2 GPU(s) visible" in r.stderr
 
 
-def test_dry_run_without_gpus_runs_on_the_cpu(tmp_path):
-    r = run_sweep(["--dry-run", "--variant", "a=", "--variant", "b=MATRIX_LR=0.03"], tmp_path, timeout=120)
+def test_dry_run_without_gpus_runs_on_the_cpu(tmp_path, monkeypatch, capsys):
+    r = dry_run(monkeypatch, capsys, ["--variant", "a=", "--variant", "b=MATRIX_LR=0.03"], tmp_path)
     assert r.returncode == 0 and "on cpu (no visible GPU)" in r.stdout
     assert set(_placements(r.stdout).values()) == {"cpu"} and "CUDA_VISIBLE_DEVICES" not in r.stdout
 
@@ -431,7 +449,7 @@ def test_an_older_script_without_the_batch_check_is_still_checked_for_its_settin
         sw.check_settings(tg, "old", {"MATRX_LR": "0.1"}, 1)
 
 
-def test_a_variant_can_run_another_script_checked_by_its_own_parser(tmp_path):
+def test_a_variant_can_run_another_script_checked_by_its_own_parser(tmp_path, monkeypatch, capsys):
     """SCRIPT=path (a before/after A/B of a code change): that variant's command runs the copy, and its settings
     go through the copy's parser, which here knows one more setting than the repository's script."""
     src = (ROOT / "train_gpt.py").read_text()
@@ -439,25 +457,26 @@ def test_a_variant_can_run_another_script_checked_by_its_own_parser(tmp_path):
     assert field in src
     copy = tmp_path / "after.py"
     copy.write_text(src.replace(field, field + '    extra_knob: int = setting(0, "a setting only the copy has")\n'))
-    r = run_sweep(["--dry-run", "--name", "ab", "--seeds", "1", "--variant", "before=", "--variant",
-                   f"after=SCRIPT={copy} EXTRA_KNOB=2"], tmp_path, timeout=120)
+    r = dry_run(monkeypatch, capsys, ["--name", "ab", "--seeds", "1", "--variant", "before=", "--variant",
+                                      f"after=SCRIPT={copy} EXTRA_KNOB=2"], tmp_path)
     assert r.returncode == 0, r.stderr
     commands = {name: next(line for line in r.stdout.splitlines() if f"RUN_ID=ab_{name}_s1 " in line)
                 for name in ("before", "after")}
     assert commands["after"].endswith(str(copy)) and "EXTRA_KNOB=2" in commands["after"]
     assert commands["before"].endswith(str(ROOT / "train_gpt.py")) and "SCRIPT=" not in r.stdout
-    r = run_sweep(["--dry-run", "--seeds", "1", "--variant", "before=EXTRA_KNOB=2", "--variant",
-                   f"after=SCRIPT={copy}"], tmp_path, timeout=120)
+    r = dry_run(monkeypatch, capsys, ["--seeds", "1", "--variant", "before=EXTRA_KNOB=2", "--variant",
+                                      f"after=SCRIPT={copy}"], tmp_path)
     assert r.returncode == 2 and "variant before: unknown setting EXTRA_KNOB" in r.stderr
 
 
-def test_export_only_sweep_scores_one_trained_model_with_each_export(tmp_path, dataset, tokenizer_path):
+def test_export_only_sweep_scores_one_trained_model_with_each_export(tmp_path, dataset, tokenizer_path, monkeypatch,
+                                                                     capsys):
     """--export-only: the first variant trains and leaves its final checkpoint; the others export and score it again
     on the same slot after it (no training: the same post-EMA weights), so their difference is the quantiser's
     alone. Dry run: the runner's settings and the order; then a real tiny sweep of one seed."""
     args = ["--name", "x", "--seeds", "1,2", "--export-only", "--base", tiny_base(dataset, tokenizer_path),
             "--variant", "base=", "--variant", "sd=MATRIX_CLIP_SIGMAS=12.85 COMPRESSOR=rans"]
-    r = run_sweep(["--dry-run", *args], tmp_path, gpus="0,1", timeout=120)
+    r = dry_run(monkeypatch, capsys, args, tmp_path, gpus="0,1")
     assert r.returncode == 0, r.stderr
     assert _placements(r.stdout) == {("base", 1): "gpu 0", ("sd", 1): "gpu 0", ("base", 2): "gpu 1",
                                      ("sd", 2): "gpu 1"}
@@ -465,11 +484,11 @@ def test_export_only_sweep_scores_one_trained_model_with_each_export(tmp_path, d
     assert [("CHECKPOINT_EVERY=1e9" in c, "RESUME=logs/x_base_s1.ckpt" in c, "RESUME=logs/x_base_s2.ckpt" in c)
             for c in commands] == [(True, False, False), (False, True, False), (True, False, False),
                                    (False, False, True)]
-    r = run_sweep(["--dry-run", *args[:-4], "--variant", "sd=MATRIX_CLIP_SIGMAS=10", "--variant", "plain="],
-                  tmp_path, timeout=120)
+    r = dry_run(monkeypatch, capsys, [*args[:-4], "--variant", "sd=MATRIX_CLIP_SIGMAS=10", "--variant", "plain="],
+                tmp_path)
     plain = [c for c in r.stdout.splitlines() if "RUN_ID=x_plain_s1 " in c]
     assert len(plain) == 1 and "MATRIX_CLIP_SIGMAS=0 " in plain[0]  # set back to base's value, not inherited
-    r = run_sweep(["--dry-run", *args[:-2], "--variant", "bad=RESUME=x.ckpt"], tmp_path, timeout=120)
+    r = dry_run(monkeypatch, capsys, [*args[:-2], "--variant", "bad=RESUME=x.ckpt"], tmp_path)
     assert r.returncode == 2 and "none of them setting RESUME or CHECKPOINT_EVERY" in r.stderr
     r = run_sweep([*args[:3], "1", *args[5:]], tmp_path, OMP_NUM_THREADS="1")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
