@@ -137,13 +137,13 @@ def test_a_crashing_run_is_reported_and_the_others_finish(tiny_sweep):
                                         ("SEED=3", "SEED is set by the runner")])
 def test_a_bad_setting_in_any_variant_stops_the_sweep_before_any_run(tmp_path, dataset, tokenizer_path, bad, named):
     r = run_sweep(["--base", tiny_base(dataset, tokenizer_path), "--variant", "a=", "--variant", f"b={bad}"],
-                  tmp_path)
+                  tmp_path, timeout=120)
     assert r.returncode == 2 and named in r.stderr, r.stderr
     assert not (tmp_path / "logs").exists()  # nothing ran
 
 
 def test_a_preset_refuses_data_without_its_train_shards(tmp_path, dataset, tokenizer_path):
-    r = run_sweep(["--preset", "pqb", "--base", f"DATA_PATH={dataset}"], tmp_path)
+    r = run_sweep(["--preset", "pqb", "--base", f"DATA_PATH={dataset}"], tmp_path, timeout=120)
     assert r.returncode == 2 and "needs 8 train shards" in r.stderr and "found 2" in r.stderr, r.stderr
 
 
