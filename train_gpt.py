@@ -3409,7 +3409,7 @@ ERROR_WAIT_SECONDS = 10.0  # report_error: ample for torchrun, which polls its w
 
 
 def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[str], code: str, code_bytes: int) -> None:
-    """The log's start: source, versions, machine, settings, warnings, layout, outputs, model shape, predicted size."""
+    """The log's start: source, versions, machine, settings, warnings, layout, model shape, predicted size."""
     log(f"==== source: train_gpt.py ====\n{code}\n==== end source ====", console=False)
     log(f"versions python:{platform.python_version()} torch:{torch.__version__} numpy:{np.__version__} "
         f"platform:{platform.platform()}")
@@ -3436,8 +3436,6 @@ def log_header(log: Logger, cfg: Hyperparameters, rt: Runtime, warnings: list[st
             if e > rt.budget:
                 log(f"warning memory_plan: {e / G:.1f} GiB estimated over the {rt.budget / G:.1f} planned for: "
                     f"expect out of memory; {advice}")
-    log(f"outputs log:{log.path} artifact:{cfg.eval_only or cfg.artifact_path}"
-        + (f" checkpoints:logs/{cfg.run_id}.ckpt" if cfg.checkpoint_every and not cfg.eval_only else ""))
     if not cfg.eval_only:  # known at step 0: a config that will not fit, or one that leaves bytes unused
         predicted = predict_artifact_bytes(cfg) + code_bytes
         log(f"predicted_size total:{predicted} limit:{SIZE_LIMIT_BYTES} headroom:{SIZE_LIMIT_BYTES - predicted}")
@@ -3663,6 +3661,8 @@ def run(cfg: Hyperparameters, rt: Runtime, log: Logger, code: str, warnings: lis
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     log_header(log, cfg, rt, warnings, code, code_bytes)
+    log(f"outputs log:{log.path} artifact:{cfg.eval_only or cfg.artifact_path}" + (f" checkpoints:logs/{cfg.run_id}"
+        ".ckpt" if cfg.checkpoint_every and not (cfg.eval_only or ckpt and ckpt["clock"].get("done")) else ""))
     scorer, sample = validation_scorer(cfg, rt, log, tokenizer)
     eval_memory = (f"lower TTT_BATCH_SIZE={ttt_rows(cfg, rt)} (documents a TTT step) or VAL_BATCH_SIZE="
                    f"{cfg.val_batch_size} (tokens a scoring step)")

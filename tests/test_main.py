@@ -343,6 +343,9 @@ def test_a_finished_runs_checkpoint_exports_again_without_training(dataset, toke
     assert live.group(0) == re.search(r"^step:6/6 val_loss:\S+ val_bpb:\S+ ", first, re.M).group(0)
     assert one_line(again, "post_ema_exact ") == one_line(first, "post_ema_exact ")
     assert one_line(again, "final_int6_roundtrip_exact ") != one_line(first, "final_int6_roundtrip_exact ")
+    assert one_line(first, "outputs ").endswith(" checkpoints:logs/q.ckpt")  # it trains no step, writes none:
+    assert one_line(again, "outputs ") == "outputs log:logs/q_2.txt artifact:logs/q_2.int6.ptz"  # names none
+    assert not (tmp_path / "logs" / "q_2.ckpt").exists()
     r = run_inline(monkeypatch, tiny_env(dataset, tokenizer_path, EVAL_ONLY="logs/q_2.int6.ptz", RUN_ID="q_eval"),
                    tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
