@@ -456,9 +456,9 @@ MODEL_SETTINGS = tuple(n for n, f in SETTINGS.items() if f.metadata["model"])
 # Model settings added after artifacts existed: what one made before them meant (125da04: the record's SmearGate)
 ADDED_MODEL_SETTINGS = {"smear_gate_enabled": False, "asym_logit_rescale": False}
 # Read by training and the export only (ITERATIONS..AUTO_SIZE but the model's and these): EVAL_ONLY warns if one is set
-NOT_SCORING = {"checkpoint_every", "artifact_path", *(_o := list(SETTINGS))[_o.index("iterations"):_o.index(
-    "auto_size") + 1]} - set(MODEL_SETTINGS) - {"grad_accum_steps", "compile_enabled", "attn_backend", "kernels",
-    "eval_seq_len", "eval_stride", "sliding_eval_enabled", "val_batch_size"}
+NOT_SCORING = {"checkpoint_every", "artifact_path", *list(SETTINGS)[list(SETTINGS).index("iterations"):list(
+    SETTINGS).index("auto_size") + 1]} - set(MODEL_SETTINGS) - {"grad_accum_steps", "compile_enabled", "attn_backend",
+    "kernels", "eval_seq_len", "eval_stride", "sliding_eval_enabled", "val_batch_size"}
 # Banks (PR #399): one 3-D parameter per matrix shape, so Muon orthogonalises a kind's matrices as one batch
 BANKS = {"qo_bank": ("attn.q", "attn.o"), "kv_bank": ("attn.k", "attn.v"),  # slot s, layer i: bank[s * L + i]
          "mlp_up_bank": ("mlp.up",), "mlp_down_bank": ("mlp.down",)}
