@@ -830,8 +830,7 @@ POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
                  (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
 PARAM_TABLE = (  # (group, name predicate): every parameter's optimizer and lr/wd, matched exactly once
-    ("muon", lambda n: n in BANKS),
-    ("token", lambda n: n in EMBED_TABLES),
+    ("muon", lambda n: n in BANKS), ("token", lambda n: n in EMBED_TABLES),
     ("head", lambda n: n == "lm_head.weight"),
     ("cap", lambda n: n == "softcap_pm"),  # AsymLogit's caps (about 30): weight decay would pull them to 1/ADAM_WD
     ("scalar", lambda n: n not in BANKS and n not in EMBED_TABLES and n not in ("lm_head.weight", "softcap_pm")))
@@ -1068,8 +1067,7 @@ def check_tokenizer(sp, tokens: np.ndarray, where: str, docs: int = 50) -> None:
 def doc_keys(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each BOS-started document's start, end and a uint64 key of its length and first 4 tokens (0 past its end)."""
     starts = np.flatnonzero(np.asarray(tokens) == BOS_ID)
-    ends = np.append(starts[1:], len(tokens)).astype(np.int64)
-    at = starts[:, None] + 1 + np.arange(4)
+    ends, at = np.append(starts[1:], len(tokens)).astype(np.int64), starts[:, None] + 1 + np.arange(4)
     first = np.where(at < ends[:, None], np.asarray(tokens)[np.minimum(at, len(tokens) - 1)], 0).astype(np.uint64)
     key = (ends - starts).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)  # wraps: a hash, not a number
     for j in range(4):
@@ -2210,8 +2208,7 @@ class NGramTable:
         h = self.hint(at + 1, mask & (at + 1 - self.k >= doc_start[:, None]))
         on, beta = h >= 0, self.cfg.token_boost
         lz = logits[on].float()
-        log_ph = lz.gather(-1, h[on][:, None])[:, 0] - lz.logsumexp(-1)
-        out = nll.clone()
+        log_ph, out = lz.gather(-1, h[on][:, None])[:, 0] - lz.logsumexp(-1), nll.clone()
         out[on] = nll[on] - beta * (y[on] == h[on]) + torch.log1p(log_ph.exp() * math.expm1(beta))
         return out
 
@@ -3615,8 +3612,7 @@ def main() -> int:
             warnings.append(f"checkpoint {cfg.resume} was written by another train_gpt.py: a record of this run "
                             "ships this one, which did not train all of it")
     t_read = time.perf_counter()  # EVAL_ONLY: decoding is in eval_wall
-    stored = read_artifact(cfg.eval_only) if cfg.eval_only else None
-    decode_s = time.perf_counter() - t_read
+    stored, decode_s = read_artifact(cfg.eval_only) if cfg.eval_only else None, time.perf_counter() - t_read
     if stored is not None:  # NOT_SCORING's settings at their defaults: warned about (unread), neither checked nor used
         cfg, _ = adopt_settings(replace(cfg, **{n: SETTINGS[n].default for n in NOT_SCORING}), stored[0]["settings"],
                                 MODEL_SETTINGS, explicit, f"artifact {cfg.eval_only}")
@@ -3651,6 +3647,7 @@ def main() -> int:
         elif trained.is_file():  # a failure after training (export, scoring, TTT, a lost rank)
             e.add_note(hint)
         log(f"error {error_text(e)}", console=False)
+        e.log_path = log.path  # report_error: another rank's own error goes there too
         raise e
 
 
@@ -3709,8 +3706,8 @@ def error_text(e: BaseException) -> str:
 
 
 def report_error(e: BaseException) -> int:
-    """One line on stderr for an error that ends the run. One every rank meets comes from rank 0: the others wait
-    for torchrun to end them (one exiting first got rank 0 killed before it printed), else print it themselves."""
+    """One line on stderr, and from a rank but 0 in rank 0's log too, for an error that ends the run. One every rank
+    meets comes from rank 0: the others wait to be ended by torchrun (an early exit got rank 0 killed), else report."""
     rank = int(os.environ.get("RANK", "0"))
     if rank and isinstance(e, (ValueError, OSError, FloatingPointError, KeyboardInterrupt)):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -3719,6 +3716,9 @@ def report_error(e: BaseException) -> int:
     with contextlib.suppress(OSError):  # a closed terminal (SIGHUP): the log has the line
         print(f"error{f' (rank {rank})' if rank else ''}: {what} (DEBUG=1 shows the traceback)", file=sys.stderr,
               flush=True)
+    if rank and getattr(e, "log_path", None) and e.log_path.is_file():  # rank 0's log: on this machine, or shared
+        with contextlib.suppress(OSError), open(e.log_path, "a", encoding="utf-8") as f:
+            f.write(f"error (rank {rank}) {what}\n")
     return 128 + getattr(e, "signum", signal.SIGINT) if isinstance(e, KeyboardInterrupt) else 1
 
 

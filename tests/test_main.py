@@ -289,8 +289,12 @@ def test_two_ranks_report_a_bad_setting_once(dataset, tokenizer_path, tmp_path):
 
 @pytest.mark.parametrize("rank, error, waits", [("0", ValueError("bad"), False), ("1", ValueError("bad"), True),
                                                  ("1", RuntimeError("CUDA error"), False)])
-def test_only_rank_0_reports_an_error_every_rank_meets_at_once(monkeypatch, capsys, rank, error, waits):
-    """The others wait to be ended by torchrun (an early exit got rank 0 killed before it printed), then report."""
+def test_only_rank_0_reports_an_error_every_rank_meets_at_once(monkeypatch, capsys, tmp_path, rank, error, waits):
+    """The others wait to be ended by torchrun (an early exit got rank 0 killed before it printed), then report, in
+    rank 0's log too (it logs only its own errors: a peer that failed alone showed there as a lost connection)."""
+    log = tmp_path / "r.txt"
+    log.write_text("step:3/6\n")
+    error.log_path = log  # as main() leaves it
     slept = []
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setattr(tg.time, "sleep", slept.append)
@@ -303,6 +307,7 @@ def test_only_rank_0_reports_an_error_every_rank_meets_at_once(monkeypatch, caps
     assert slept == ([tg.ERROR_WAIT_SECONDS] if waits else [])
     who = "" if rank == "0" else f" (rank {rank})"
     assert capsys.readouterr().err == f"error{who}: {tg.error_text(error)} (DEBUG=1 shows the traceback)\n"
+    assert log.read_text() == "step:3/6\n" + ("" if rank == "0" else f"error{who} {tg.error_text(error)}\n")
 
 
 def test_a_reused_run_id_gets_its_own_log_and_sample_data_is_flagged(seed_runs):

@@ -243,6 +243,7 @@ def test_a_failure_after_training_says_how_to_finish(dataset, tokenizer_path, tm
         for s, h in handlers.items():
             signal.signal(s, h)
     assert e.value.__notes__ == ["finish with RESUME=logs/late.ckpt (the same settings)"]
+    assert e.value.log_path == Path("logs/late.txt")  # where report_error on another rank adds its line
     assert tg.report_error(e.value) == 1
     assert log_of(tmp_path, "late").strip().splitlines()[-1] == (
         "error RuntimeError: CUDA out of memory; finish with RESUME=logs/late.ckpt (the same settings)")
