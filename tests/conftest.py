@@ -136,9 +136,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+OUTER_ONLY = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "DEBUG")  # the test process's, not a run's to inherit
+
+
 def _script_command(env: dict[str, str], nproc: int, script: Path = SCRIPT) -> tuple[list[str], dict[str, str]]:
-    full = {k: v for k, v in os.environ.items()
-            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "DEBUG"))}
+    full = {k: v for k, v in os.environ.items() if not k.startswith(OUTER_ONLY)}
     full.update(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if full.get("KERNELS") != "triton":  # the kernels are registered only where they run: 0.7 s a process less
         full.pop("TRITON_INTERPRET", None)
@@ -305,7 +307,7 @@ def run_inline(monkeypatch, env: dict[str, str], cwd: Path) -> subprocess.Comple
     cwd.mkdir(parents=True, exist_ok=True)
     monkeypatch.chdir(cwd)
     for k in list(os.environ):
-        if k.lower() in tg.SETTINGS or k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "DEBUG")):
+        if k.lower() in tg.SETTINGS or k.startswith(OUTER_ONLY):
             monkeypatch.delenv(k)
     for k, v in env.items():
         monkeypatch.setenv(k, str(v))

@@ -30,9 +30,11 @@ def tiny_base(dataset, tokenizer_path, **overrides) -> str:
     return " ".join(f"{k}={v}" for k, v in env.items() if k not in sw.RUNNER_SETTINGS)  # the runner sets those
 
 
+SWEEP_OUTER_ONLY = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "OMP_NUM_THREADS", "TRITON_INTERPRET")
+
+
 def run_sweep(args: list[str], cwd: Path, gpus: str = "", timeout: int = 600, **env_extra) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "OMP_NUM_THREADS", "TRITON_INTERPRET"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SWEEP_OUTER_ONLY)}
     env.update(CUDA_VISIBLE_DEVICES=gpus, PYTHONUNBUFFERED="1", **env_extra)
     return subprocess.run([sys.executable, str(SWEEP), *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -42,8 +44,7 @@ def dry_run(monkeypatch, capsys, args: list[str], cwd: Path, gpus: str = "", **e
     """run_sweep(["--dry-run", *args], ...) in this process, with run_sweep's environment: a dry run starts no run,
     and a new interpreter would spend a second importing torch."""
     monkeypatch.chdir(cwd)
-    for k in [k for k in os.environ if k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "OMP_NUM_THREADS",
-                                                     "TRITON_INTERPRET"))]:
+    for k in [k for k in os.environ if k.startswith(SWEEP_OUTER_ONLY)]:
         monkeypatch.delenv(k)
     for k, v in dict(CUDA_VISIBLE_DEVICES=gpus, **env_extra).items():
         monkeypatch.setenv(k, v)
